@@ -1,0 +1,29 @@
+# Every target creates .venv and installs the project first (idempotent: the stamp file
+# is rebuilt only when pyproject.toml changes).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint typecheck bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+	# torch first, pinned, so nothing pulls a CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/fairgate serve $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check engine gateway tuner tenants kernels tests bench
+	$(BIN)/mypy
+
+test: $(STAMP) lint
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

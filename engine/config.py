@@ -1,0 +1,142 @@
+"""EngineConfig: every knob of the engine, frozen and validated at construction.
+
+Runtime facts (the number of KV blocks actually allocated, the EOS ids, the resolved device)
+are computed once by the executor and passed on; they are never written back here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+POLICIES = ("fcfs", "priority", "sjf", "prefix", "fair")
+PREEMPTION_MODES = ("recompute", "swap")
+EXECUTORS = ("torch", "sim")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "int8")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+SIM_CLOCKS = ("virtual", "realtime")
+SIM_HARDWARE = ("h100", "h200", "a100", "cpu")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # what to run
+    model: str = "random:tiny"
+    executor: str = "torch"
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    # step budgets
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap on a prefill chunk
+    max_num_partial_prefills: int = 1
+    # memory
+    block_size: int = 16
+    memory_fraction: float = 0.9
+    num_kv_blocks: int | None = None  # override of the profiled block count
+    device_memory_gb: float | None = None  # CPU: memory the engine may treat as its device
+    kv_cache_dtype: str = "auto"
+    swap_space_gb: float = 1.0
+    enable_prefix_caching: bool = True
+    # order and preemption
+    policy: str = "fcfs"
+    preemption: str = "recompute"
+    sjf_aging_tokens_per_s: float = 1000.0  # sjf: a request's estimated work shrinks this fast while it waits
+    # model execution
+    attention_backend: str = "auto"
+    # simulated executor
+    sim_hardware: str = "h100"
+    sim_model: str = "llama-3-8b"
+    sim_clock: str = "virtual"
+    # engine-side admission (server)
+    max_waiting_requests: int = 4096
+    max_waiting_tokens: int = 4_000_000
+
+    def __post_init__(self) -> None:
+        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("preemption", self.preemption, PREEMPTION_MODES)
+        _check_choice("executor", self.executor, EXECUTORS)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("sim_clock", self.sim_clock, SIM_CLOCKS)
+        _check_choice("sim_hardware", self.sim_hardware, SIM_HARDWARE)
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
+                     "max_num_partial_prefills", "max_waiting_requests", "max_waiting_tokens"):
+            _check_positive_int(name, getattr(self, name))
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0 disables it), "
+                             f"got {self.long_prefill_token_threshold!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.num_kv_blocks is not None:
+            _check_positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
+            raise ValueError(f"device_memory_gb must be > 0, got {self.device_memory_gb}")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
+        if self.sjf_aging_tokens_per_s < 0:
+            raise ValueError(f"sjf_aging_tokens_per_s must be >= 0, got {self.sjf_aging_tokens_per_s}")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence needs one token per step; raise "
+                "max_num_batched_tokens or lower max_num_seqs")
+        if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"num_kv_blocks ({self.num_kv_blocks}) x block_size ({self.block_size}) holds fewer "
+                f"tokens than max_model_len ({self.max_model_len}): one full-length request could "
+                "never run; raise num_kv_blocks or lower max_model_len")
+        if self.preemption == "swap" and self.swap_space_gb == 0:
+            raise ValueError("preemption='swap' needs swap_space_gb > 0 (host memory for swapped "
+                             "blocks); set swap_space_gb or use preemption='recompute'")
+        if self.long_prefill_token_threshold > self.max_num_batched_tokens:
+            raise ValueError(
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be <= "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A new validated config with some knobs changed (unknown knobs: ValueError)."""
+        return dataclasses.replace(self, **_check_known(changes))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> EngineConfig:
+        """Build from a YAML/JSON mapping; unknown keys are an error naming the key."""
+        return cls(**_check_known(dict(values or {})))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+KNOBS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def _check_known(values: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(values) - set(KNOBS))
+    if unknown:
+        raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}; "
+                         f"known settings are: {', '.join(KNOBS)}")
+    return values
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {' | '.join(choices)}, got {value!r}")
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

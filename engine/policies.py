@@ -1,0 +1,179 @@
+"""Waiting-queue orders: which waiting request the scheduler considers next.
+
+Every queue keeps its requests sorted by a key that does not change while they wait, so
+adding and removing are O(log n) and a step reads only the head it needs. `prefix` and `fair`
+compute their order from state that changes between steps (the cache, the tenants' counters).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Collection, Iterator
+
+from engine.config import EngineConfig
+from engine.request import Request
+
+SortKey = tuple[float, ...]
+
+
+class SortedRequests:
+    """Requests sorted by a key fixed at insertion (the key ends with the unique `seq`)."""
+
+    def __init__(self, key: Callable[[Request], SortKey]) -> None:
+        self._key = key
+        self._keys: list[SortKey] = []
+        self._requests: list[Request] = []
+        self._key_of: dict[Request, SortKey] = {}
+
+    def add(self, request: Request) -> None:
+        key = self._key(request)
+        index = bisect.bisect_right(self._keys, key)
+        self._keys.insert(index, key)
+        self._requests.insert(index, request)
+        self._key_of[request] = key
+
+    def remove(self, request: Request) -> None:
+        index = bisect.bisect_left(self._keys, self._key_of.pop(request))
+        assert self._requests[index] is request
+        del self._keys[index]
+        del self._requests[index]
+
+    def __contains__(self, request: Request) -> bool:
+        return request in self._key_of
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._requests)
+
+    def head(self) -> Request:
+        return self._requests[0]
+
+
+class WaitingQueue:
+    """fcfs: arrival order (a request preempted by recompute keeps its place)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._queue = SortedRequests(self.key)
+
+    def key(self, request: Request) -> SortKey:
+        return (request.arrival_time, request.seq)
+
+    def add(self, request: Request) -> None:
+        self._queue.add(request)
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __contains__(self, request: Request) -> bool:
+        return request in self._queue
+
+    def ordered(self, now: float) -> Iterator[Request]:
+        """Requests in the order to admit them, over a snapshot: the caller may add and remove
+        while iterating."""
+        return iter(list(self._queue))
+
+    # hooks for policies that account service (fair)
+    def activate(self, tenant: str, active_tenants: Collection[str]) -> None:
+        """`tenant`, with nothing waiting or running, just submitted a request."""
+
+    def charge(self, request: Request, num_tokens: int) -> None:
+        """`num_tokens` of the request's tokens were computed this step."""
+
+
+class PriorityQueue(WaitingQueue):
+    """priority: interactive before batch, then arrival."""
+
+    def key(self, request: Request) -> SortKey:
+        return (request.priority_rank, request.arrival_time, request.seq)
+
+
+class ShortestJobFirstQueue(WaitingQueue):
+    """sjf: least estimated remaining work first, with aging: a request's estimate shrinks by
+    `sjf_aging_tokens_per_s` for every second it waits, so a long request is eventually first.
+    work - rate * (now - arrival) orders like work + rate * arrival, a key fixed at insertion."""
+
+    def key(self, request: Request) -> SortKey:
+        rate = self.config.sjf_aging_tokens_per_s
+        return (request.estimated_remaining_work() + rate * request.arrival_time, request.seq)
+
+
+class PrefixAwareQueue(WaitingQueue):
+    """prefix: longest cached prefix first (its prefill is cheapest), then arrival."""
+
+    def __init__(self, config: EngineConfig, cached_tokens: Callable[[Request], int]) -> None:
+        super().__init__(config)
+        self._cached_tokens = cached_tokens
+
+    def ordered(self, now: float) -> Iterator[Request]:
+        return iter(sorted(self._queue, key=lambda r: -self._cached_tokens(r)))
+
+
+class FairShareQueue(WaitingQueue):
+    """fair: per-tenant virtual token counters (VTC). Each tenant's counter grows by the tokens
+    computed for it divided by its weight; the tenant with the smallest counter goes next. A
+    tenant that becomes active starts at the smallest counter of the active tenants, so it
+    cannot bank credit while idle and then starve the others."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.weights: dict[str, float] = {}
+        self.counters: dict[str, float] = {}
+        self._per_tenant: dict[str, SortedRequests] = {}
+
+    def add(self, request: Request) -> None:
+        queue = self._per_tenant.get(request.tenant)
+        if queue is None:
+            queue = self._per_tenant[request.tenant] = SortedRequests(self.key)
+        queue.add(request)
+        self._queue.add(request)
+
+    def remove(self, request: Request) -> None:
+        queue = self._per_tenant[request.tenant]
+        queue.remove(request)
+        if not queue:
+            del self._per_tenant[request.tenant]
+        self._queue.remove(request)
+
+    def activate(self, tenant: str, active_tenants: Collection[str]) -> None:
+        others = [self.counters.get(t, 0.0) for t in active_tenants if t != tenant]
+        if others:
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))
+
+    def charge(self, request: Request, num_tokens: int) -> None:
+        weight = self.weights.get(request.tenant, 1.0)
+        self.counters[request.tenant] = self.counters.get(request.tenant, 0.0) + num_tokens / weight
+
+    def ordered(self, now: float) -> Iterator[Request]:
+        # Simulate charging each yielded request's prompt so one step interleaves tenants.
+        counters = {t: self.counters.get(t, 0.0) for t in self._per_tenant}
+        cursors = {t: iter(list(q)) for t, q in self._per_tenant.items()}
+        heads = {t: next(c) for t, c in cursors.items()}
+        while heads:
+            tenant = min(heads, key=lambda t: (counters[t], heads[t].arrival_time, heads[t].seq))
+            request = heads[tenant]
+            yield request
+            counters[tenant] += request.num_remaining_tokens / self.weights.get(tenant, 1.0)
+            following = next(cursors[tenant], None)
+            if following is None:
+                del heads[tenant]
+            else:
+                heads[tenant] = following
+
+
+def make_waiting_queue(config: EngineConfig,
+                       cached_tokens: Callable[[Request], int]) -> WaitingQueue:
+    if config.policy == "priority":
+        return PriorityQueue(config)
+    if config.policy == "sjf":
+        return ShortestJobFirstQueue(config)
+    if config.policy == "prefix":
+        return PrefixAwareQueue(config, cached_tokens)
+    if config.policy == "fair":
+        return FairShareQueue(config)
+    return WaitingQueue(config)

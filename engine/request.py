@@ -1,0 +1,172 @@
+"""Requests, their sampling parameters and their states."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+PRIORITIES = ("interactive", "batch")
+PRIORITY_RANK = {"interactive": 0, "batch": 1}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched on detokenised text by the async engine
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # number of top alternatives to return with each token
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.stop, (list, str)):
+            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+            object.__setattr__(self, "stop", stop)
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("top_k", self.top_k, low=0)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        _check_range("temperature", self.temperature, 0.0, 100.0)
+        _check_range("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, open_low=True)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=-(2**63))
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=20)
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids[]", token_id, low=0)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_range(name: str, value: object, low: float, high: float, open_low: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value > high or value < low or (open_low and value == low):
+        left = "(" if open_low else "["
+        raise ValueError(f"{name} must be in {left}{low}, {high}], got {value}")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue: new, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: blocks held in host memory
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. Token accounting is unified: the request always wants to compute
+    `num_tokens - num_computed_tokens` tokens; when a step computes the last known token,
+    a new token is sampled. A decode is that with one token left; a preempted-by-recompute
+    request simply has `num_computed_tokens` reset to 0."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str = ""
+    priority: str = "interactive"
+    arrival_time: float = 0.0
+    seq: int = 0  # admission order, a tie-breaker that never repeats
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at the last admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of full blocks, memoised
+    num_committed_blocks: int = 0  # leading blocks already published to the prefix cache
+    num_preemptions: int = 0
+    # timestamps (engine clock)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_tokens: int = field(init=False, default=0)  # prompt + outputs, maintained on append
+
+    def __post_init__(self) -> None:
+        # kept as a plain attribute: the scheduler reads it for every request every step
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def append_output(self, token: int, now: float) -> None:
+        self.output_token_ids.append(token)
+        self.num_tokens += 1
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_remaining_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def priority_rank(self) -> int:
+        return PRIORITY_RANK[self.priority]
+
+    def token_id(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+    def estimated_remaining_work(self) -> int:
+        """Tokens of work left: prefill still to compute plus outputs still to generate."""
+        return self.num_remaining_tokens + self.params.max_tokens - self.num_output_tokens

@@ -1,0 +1,314 @@
+"""One step's plan: which requests run, how many tokens each, who is preempted."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.clock import Clock
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.policies import make_waiting_queue
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # position of the first token computed this step (num_computed_tokens before it)
+    num_tokens: int  # tokens computed this step
+    # True when this step computes the request's last known token, so a token is sampled
+    samples: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefills
+    preempted: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    num_batched_tokens: int = 0
+
+    @property
+    def scheduled(self) -> dict[str, int]:
+        return {s.request.request_id: s.num_tokens for s in self.requests}
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests and not self.swap_out and not self.swap_in
+
+
+class Scheduler:
+    """Builds each step's plan under the token budget, the sequence budget and free blocks,
+    and applies the step's results. Order inside a step (stall-free batching): running decodes,
+    then running partial prefills, then swapped requests, then new prefills in policy order."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, clock: Clock,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting = make_waiting_queue(config, self._cached_prefix_tokens)
+        self.running: dict[str, Request] = {}  # admission order
+        self.swapped: dict[str, Request] = {}  # swap-out order
+        self.requests: dict[str, Request] = {}
+        self.live_per_tenant: dict[str, int] = {}
+        self.num_preemptions = 0
+
+    # ---- membership --------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        assert request.request_id not in self.requests
+        self.requests[request.request_id] = request
+        live = self.live_per_tenant.get(request.tenant, 0)
+        if live == 0:
+            self.waiting.activate(request.tenant, self.live_per_tenant.keys())
+        self.live_per_tenant[request.tenant] = live + 1
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, FinishReason.ABORT)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- planning ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        step = _StepBuilder(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.plan.preempted:
+            self._schedule_swapped(step)
+        if not step.plan.preempted and not self.swapped:
+            self._schedule_waiting(step)
+        return step.plan
+
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running.values():
+            (prefills if request.num_tokens - request.num_computed_tokens > 1 else decodes).append(
+                request)
+        for request in decodes + prefills:
+            if step.budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step to make room
+            num_tokens = self._chunk(request, step.budget)
+            if self._allocate_or_preempt(request, num_tokens, step):
+                step.add(request, num_tokens)
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, step: _StepBuilder) -> bool:
+        while not self.kv.allocate(request, num_tokens):
+            victim = self._pick_victim()
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        return True
+
+    def _pick_victim(self, batch_only: bool = False) -> Request:
+        """Lowest priority class first, then the latest arrival."""
+        candidates = [r for r in self.running.values()
+                      if not batch_only or r.priority == "batch"]
+        return max(candidates, key=lambda r: (r.priority_rank, r.arrival_time, r.seq))
+
+    def _schedule_swapped(self, step: _StepBuilder) -> None:
+        for request in list(self.swapped.values()):
+            if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            num_tokens = self._chunk(request, step.budget)
+            computed = self.kv.blocks_needed(request.num_computed_tokens + num_tokens)
+            if computed > self.kv.num_free_blocks:
+                break
+            step.plan.swap_in.extend(self.kv.swap_in(request))
+            assert self.kv.allocate(request, num_tokens)
+            del self.swapped[request.request_id]
+            self._start_running(request)
+            step.add(request, num_tokens)
+
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        partial = sum(1 for r in self.running.values() if r.is_prefill and not step.completes(r))
+        for request in self.waiting.ordered(self.clock.now()):
+            if step.budget == 0:
+                break
+            cached = self.kv.cached_prefix(request)
+            remaining = request.num_remaining_tokens - len(cached) * self.kv.block_size
+            num_tokens = self._chunk_tokens(remaining, step.budget)
+            is_partial = num_tokens < remaining
+            if is_partial and partial >= self.config.max_num_partial_prefills:
+                continue  # one partial prefill too many: let requests that finish their prompt by
+            if not self._make_room(request, num_tokens, cached, step):
+                break  # head of line: smaller requests behind must not starve a large one
+            self.waiting.remove(request)
+            self.kv.note_admission(request, len(cached))
+            partial += is_partial
+            self._start_running(request)
+            step.add(request, num_tokens)
+
+    def _make_room(self, request: Request, num_tokens: int, cached: list[int],
+                   step: _StepBuilder) -> bool:
+        """Take a seat and blocks for a waiting request; interactive work may preempt running
+        batch work for either (large engines let batch work hold every seat)."""
+        if len(self.running) >= self.config.max_num_seqs and not self._evict_batch_for(
+                request, step, lambda: len(self.running) < self.config.max_num_seqs):
+            return False
+        if self.kv.allocate(request, num_tokens, cached):
+            return True
+        return self._evict_batch_for(
+            request, step, lambda: self.kv.can_allocate(request, num_tokens, cached)
+        ) and self.kv.allocate(request, num_tokens, cached)
+
+    def _evict_batch_for(self, request: Request, step: _StepBuilder,
+                         fits: Callable[[], bool]) -> bool:
+        """Preempt running batch requests, latest first, until `fits()`; only for interactive
+        requests. The victims' blocks go back now, their freed seats at once."""
+        if request.priority != "interactive":
+            return False
+        while any(r.priority == "batch" for r in self.running.values()):
+            self._preempt(self._pick_victim(batch_only=True), step)
+            if fits():
+                return True
+        return fits()
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        return self._chunk_tokens(request.num_remaining_tokens, budget)
+
+    def _chunk_tokens(self, remaining: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and remaining > 1:
+            remaining = min(remaining, threshold)
+        return min(remaining, budget)
+
+    def _cached_prefix_tokens(self, request: Request) -> int:
+        return len(self.kv.cached_prefix(request)) * self.kv.block_size
+
+    # ---- preemption ---------------------------------------------------------------------------
+    def _preempt(self, request: Request, step: _StepBuilder) -> None:
+        step.remove(request)
+        del self.running[request.request_id]
+        self.num_preemptions += 1
+        request.num_preemptions += 1
+        step.plan.preempted.append(request.request_id)
+        mapping = self.kv.swap_out(request) if self.config.preemption == "swap" else None
+        if mapping is not None:
+            step.plan.swap_out.extend(mapping)
+            request.status = RequestStatus.SWAPPED
+            self.swapped[request.request_id] = request
+            return
+        self.kv.free(request)  # recompute: cached full blocks stay in the prefix cache
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running[request.request_id] = request
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock.now()
+
+    # ---- results ------------------------------------------------------------------------------
+    def update(self, plan: SchedulerOutput, sampled: dict[str, int]) -> StepResult:
+        """Advance every scheduled request by its computed tokens and append sampled tokens."""
+        result = StepResult()
+        now = self.clock.now()
+        for scheduled in plan.requests:
+            request = scheduled.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += scheduled.num_tokens
+            self.kv.commit(request)
+            self.waiting.charge(request, scheduled.num_tokens)
+            token = sampled.get(request.request_id) if scheduled.samples else None
+            if token is None:
+                continue
+            request.append_output(token, now)
+            result.outputs[request.request_id] = [token]
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+                result.finished[request.request_id] = reason
+        return result
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens and (
+                token in params.stop_token_ids
+                or (not params.ignore_eos and token in self.eos_token_ids)):
+            return FinishReason.STOP
+        if (request.num_output_tokens >= params.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, request_id: str, reason: FinishReason) -> None:
+        """End a request from outside the step (a stop string, an error)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            del self.running[request.request_id]
+        elif request.status is RequestStatus.SWAPPED:
+            del self.swapped[request.request_id]
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finished_time = self.clock.now()
+        del self.requests[request.request_id]
+        live = self.live_per_tenant[request.tenant] - 1
+        if live:
+            self.live_per_tenant[request.tenant] = live
+        else:
+            del self.live_per_tenant[request.tenant]
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        held = {b for r in self.requests.values() for b in r.block_ids}
+        used = {b for b, c in enumerate(self.kv.pool.ref_counts) if c > 0}
+        assert held == used, f"leaked blocks: {sorted(used - held)[:10]}"
+        assert len(self.running) <= self.config.max_num_seqs
+        assert len(self.running) + len(self.swapped) + len(self.waiting) == len(self.requests)
+
+
+@dataclass
+class StepResult:
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    finished: dict[str, FinishReason] = field(default_factory=dict)
+
+
+class _StepBuilder:
+    """The plan under construction and the token budget it has left."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.plan = SchedulerOutput()
+        self._index: dict[str, ScheduledRequest] = {}
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        assert 0 < num_tokens <= self.budget
+        start = request.num_computed_tokens
+        scheduled = ScheduledRequest(request, start, num_tokens,
+                                     samples=start + num_tokens == request.num_tokens)
+        self.plan.requests.append(scheduled)
+        self._index[request.request_id] = scheduled
+        self.budget -= num_tokens
+        self.plan.num_batched_tokens += num_tokens
+
+    def completes(self, request: Request) -> bool:
+        """Scheduled this step through its last known token."""
+        scheduled = self._index.get(request.request_id)
+        return scheduled is not None and scheduled.samples
+
+    def remove(self, request: Request) -> None:
+        """Take back a request scheduled earlier in this step (it is being preempted)."""
+        scheduled = self._index.pop(request.request_id, None)
+        if scheduled is not None:
+            self.plan.requests.remove(scheduled)
+            self.budget += scheduled.num_tokens
+            self.plan.num_batched_tokens -= scheduled.num_tokens

@@ -1,0 +1,57 @@
+"""The one `fairgate` command: each subcommand lives with the package that owns it.
+
+Subcommand modules are imported lazily so `fairgate tenants list` never pays for torch.
+Each module exposes `register(parser)` (add its arguments) and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("gateway.serve_cli", "gateway with an embedded or remote engine"),
+    "engine": ("engine.cli", "a standalone engine server"),
+    "tenants": ("tenants.cli", "create, list, update, delete, import, export tenants"),
+    "keys": ("tenants.keys_cli", "create, list, revoke API keys"),
+    "bench": ("tuner.bench_cli", "load test an OpenAI-compatible endpoint"),
+    "tune": ("tuner.tune_cli", "Optuna search over the engine's knobs"),
+}
+
+
+class CliError(Exception):
+    """A user mistake: printed as one line, exit status 2."""
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fairgate", description="multi-tenant LLM serving")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text)
+        if name == wanted:  # only import what runs
+            importlib.import_module(module).register(sp)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except (CliError, ValueError, FileNotFoundError, PermissionError) as exc:
+        print(f"fairgate {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
