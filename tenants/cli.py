@@ -1,0 +1,191 @@
+"""`fairgate tenants create|list|update|delete|import|export`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tenants.cli_common import add_database_options, run_with_store, table
+from tenants.store import TenantStore, apply_changes
+from tenants.values import TenantError, TenantInfo, TenantLimits
+from tenants.yaml_io import (
+    ImportResult,
+    export_yaml,
+    import_specs,
+    parse_yaml,
+    read_source,
+    tenant_to_dict,
+)
+
+# option -> (field, kind); parsed in run() so a bad value is one error line, not argparse usage
+_FIELD_OPTIONS: dict[str, tuple[str, str]] = {
+    "--weight": ("weight", "float"),
+    "--default-priority": ("default_priority", "priority"),
+    "--allowed-priorities": ("allowed_priorities", "list"),
+    "--requests-per-min": ("requests_per_min", "int?"),
+    "--tokens-per-min": ("tokens_per_min", "int?"),
+    "--max-concurrent": ("max_concurrent", "int?"),
+    "--max-queued-requests": ("max_queued_requests", "int?"),
+    "--max-queued-tokens": ("max_queued_tokens", "int?"),
+    "--max-tokens": ("max_tokens", "int?"),
+    "--queue-timeout": ("queue_timeout_s", "float?"),
+    "--slo-ttft-p99": ("slo_ttft_p99_s", "float?"),
+    "--slo-itl-p99": ("slo_itl_p99_s", "float?"),
+}
+_UNSET = ("none", "unlimited", "null")
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION")
+    create = sub.add_parser("create", help="create a tenant")
+    create.add_argument("name")
+    _add_field_options(create)
+    create.add_argument("--key", action="store_true", help="also create an API key (printed once)")
+    update = sub.add_parser("update", help="change a tenant's fields ('none' unsets a limit)")
+    update.add_argument("name")
+    _add_field_options(update)
+    listing = sub.add_parser("list", help="list tenants")
+    listing.add_argument("--json", action="store_true", help="JSON instead of a table")
+    delete = sub.add_parser("delete", help="delete a tenant and its keys (usage is kept)")
+    delete.add_argument("name")
+    imp = sub.add_parser("import", help="create/update tenants from a tenants.yaml (idempotent)")
+    imp.add_argument("file", help="tenants.yaml, or - for standard input")
+    exp = sub.add_parser("export", help="write all tenants as tenants.yaml")
+    exp.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    for p in (create, update, listing, delete, imp, exp):
+        add_database_options(p)
+
+
+def _add_field_options(p: argparse.ArgumentParser) -> None:
+    for option, (field, _) in _FIELD_OPTIONS.items():
+        p.add_argument(option, dest=field, metavar="VALUE", default=argparse.SUPPRESS)
+    state = p.add_mutually_exclusive_group()
+    state.add_argument("--enable", dest="enabled", action="store_true", default=argparse.SUPPRESS)
+    state.add_argument("--disable", dest="enabled", action="store_false", default=argparse.SUPPRESS)
+
+
+def _convert(option: str, kind: str, raw: str) -> Any:
+    if kind.endswith("?") and raw.strip().lower() in _UNSET:
+        return None
+    try:
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+    except ValueError:
+        wanted = "an integer" if kind.startswith("int") else "a number"
+        raise TenantError(f"{option}: expected {wanted}, got {raw!r}") from None
+    if kind == "list":
+        return tuple(p.strip() for p in raw.split(",") if p.strip())
+    return raw
+
+
+def field_changes(args: argparse.Namespace) -> dict[str, Any]:
+    changes = {
+        field: _convert(option, kind, getattr(args, field))
+        for option, (field, kind) in _FIELD_OPTIONS.items()
+        if hasattr(args, field)
+    }
+    if hasattr(args, "enabled"):
+        changes["enabled"] = args.enabled
+    return changes
+
+
+def run(args: argparse.Namespace) -> int:
+    action = getattr(args, "action", None)
+    if action is None:
+        print("fairgate tenants: error: choose an action: create, list, update, delete, import, "
+              "export", file=sys.stderr)
+        return 2
+    if action == "import":
+        return _import(args)
+    handlers = {"create": _create, "update": _update, "list": _list, "delete": _delete,
+                "export": _export}
+    return run_with_store(args, lambda store: handlers[action](store, args))
+
+
+async def _create(store: TenantStore, args: argparse.Namespace) -> int:
+    changes = field_changes(args)
+    # Validate everything before writing, so a bad value never leaves a half-made tenant.
+    info = apply_changes(TenantInfo(name=args.name), changes)
+    kwargs = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)
+              if f.name not in ("id", "name")}
+    created = await store.create_tenant(args.name, **kwargs)
+    print(f"created tenant {created.name}")
+    if args.key:
+        key, plaintext = await store.create_key(created.name)
+        print(f"key {key.id} (shown once, store it now): {plaintext}")
+    return 0
+
+
+async def _update(store: TenantStore, args: argparse.Namespace) -> int:
+    changes = field_changes(args)
+    if not changes:
+        raise TenantError("nothing to change; give at least one option such as --weight")
+    info = await store.update_tenant(args.name, **changes)
+    print(f"updated tenant {info.name}")
+    return 0
+
+
+async def _delete(store: TenantStore, args: argparse.Namespace) -> int:
+    await store.delete_tenant(args.name)
+    print(f"deleted tenant {args.name}")
+    return 0
+
+
+def _limits_text(limits: TenantLimits) -> str:
+    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(limits).items() if v is not None)
+
+
+async def _list(store: TenantStore, args: argparse.Namespace) -> int:
+    tenants = await store.list_tenants()
+    keys = await store.list_keys()
+    active = {t.name: sum(1 for k in keys if k.tenant == t.name and not k.revoked) for t in tenants}
+    if args.json:
+        out = [{**tenant_to_dict(t, []), "active_keys": active[t.name]} for t in tenants]
+        for entry in out:
+            entry.pop("keys")
+        print(json.dumps(out, indent=2))
+        return 0
+    rows = [
+        [t.name, f"{t.weight:g}", t.default_priority, ",".join(t.allowed_priorities),
+         "yes" if t.enabled else "no", active[t.name], _limits_text(t.limits) or "-"]
+        for t in tenants
+    ]
+    print(table(["NAME", "WEIGHT", "PRIORITY", "ALLOWED", "ENABLED", "KEYS", "LIMITS"], rows))
+    return 0
+
+
+async def _export(store: TenantStore, args: argparse.Namespace) -> int:
+    text = await export_yaml(store)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(f"wrote {await store.count_tenants()} tenants to {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    # Read and validate the whole file before touching (or creating) the database.
+    if args.file == "-":
+        text, source = sys.stdin.read(), "<stdin>"
+    else:
+        text, source = read_source(Path(args.file))
+    specs = parse_yaml(text, source)
+    result = run_with_store(args, lambda store: import_specs(store, specs, source))
+    _print_import(result)
+    return 0
+
+
+def _print_import(result: ImportResult) -> None:
+    print(f"tenants: {len(result.created)} created, {len(result.updated)} updated, "
+          f"{len(result.unchanged)} unchanged; keys: {len(result.new_keys)} created, "
+          f"{result.imported_hashes} imported by hash")
+    for key, plaintext in result.new_keys:
+        print(f"key {key.id} for {key.tenant} (shown once, store it now): {plaintext}")
+

@@ -1,0 +1,105 @@
+"""What `fairgate tenants` and `fairgate keys` share: database options, errors, formatting."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+
+from tenants.db import DEFAULT_DATABASE_URL
+from tenants.store import TenantStore
+from tenants.values import TenantError
+
+T = TypeVar("T")
+DEFAULT_CONFIG = "fairgate.yaml"
+SECRET_ENV = "FAIRGATE_KEY_SECRET"
+
+
+def add_database_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--database",
+        metavar="URL",
+        help=f"database URL (default: the config's 'database', else {DEFAULT_DATABASE_URL})",
+    )
+    parser.add_argument(
+        "-c", "--config", metavar="FILE", help=f"fairgate config file (default: ./{DEFAULT_CONFIG} if present)"
+    )
+
+
+def database_url(args: argparse.Namespace) -> str:
+    if getattr(args, "database", None):
+        return str(args.database)
+    path = getattr(args, "config", None)
+    if path is None:
+        if not Path(DEFAULT_CONFIG).is_file():
+            return DEFAULT_DATABASE_URL
+        path = DEFAULT_CONFIG
+    return _url_from_config(Path(path))
+
+
+def _url_from_config(path: Path) -> str:
+    if not path.is_file():
+        raise FileNotFoundError(f"no such config file: {path}")
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.MarkedYAMLError as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark else "?"
+        raise TenantError(f"{path}: line {line}: {exc.problem}") from None
+    database = config.get("database") if isinstance(config, dict) else None
+    if isinstance(database, dict):  # `database: {url: ...}` is accepted too
+        database = database.get("url")
+    if database is None:
+        return DEFAULT_DATABASE_URL
+    if not isinstance(database, str):
+        raise TenantError(f"{path}: 'database' must be a URL string")
+    return database
+
+
+def _redacted(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<database>"
+
+
+def run_with_store(args: argparse.Namespace, fn: Callable[[TenantStore], Awaitable[T]]) -> T:
+    """Open the store (migrating it), run `fn`, close; database failures become one line."""
+    url = database_url(args)
+
+    async def main() -> T:
+        store = TenantStore(url, secret=os.environ.get(SECRET_ENV) or None)
+        try:
+            await store.init()
+            return await fn(store)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(main())
+    except (SQLAlchemyError, OSError) as exc:
+        if isinstance(exc, FileNotFoundError | PermissionError):
+            raise
+        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        raise TenantError(f"database {_redacted(url)}: {detail[0] if detail else type(exc).__name__}") from None
+
+
+def when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [headers, *[[("-" if c is None else str(c)) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells
+    )

@@ -1,0 +1,109 @@
+"""One engine for SQLite (aiosqlite) and PostgreSQL (asyncpg), and a retrying transaction runner.
+
+SQLite needs care for several processes sharing one file: WAL (readers never block the writer), a
+busy timeout (a writer waits for the lock instead of failing), explicit `BEGIN` (pysqlite would
+otherwise run DDL outside any transaction) and `BEGIN IMMEDIATE` for write transactions (a
+deferred transaction that reads first and writes later fails at once with "database is locked"
+when another process committed in between, without waiting for the busy timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+
+from tenants.values import TenantError
+
+T = TypeVar("T")
+
+DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///fairgate.db"
+_ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg",
+                  "postgres": "postgresql+asyncpg"}
+_BUSY_TIMEOUT_S = 30.0
+_LOCK_RETRIES = 8
+
+
+def normalize_url(url: str) -> str:
+    """Map `sqlite:///x.db` and `postgresql://...` onto the async drivers fairgate uses."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise TenantError(f"bad database URL {url!r}: {exc}") from None
+    backend, _, driver = parsed.drivername.partition("+")
+    if backend not in _ASYNC_DRIVERS:
+        raise TenantError(f"unsupported database {backend!r}: use sqlite:/// or postgresql://")
+    if driver not in ("", "aiosqlite", "asyncpg"):
+        raise TenantError(f"database driver {driver!r} is not async; use {_ASYNC_DRIVERS[backend]}")
+    return parsed.set(drivername=_ASYNC_DRIVERS[backend]).render_as_string(hide_password=False)
+
+
+def _install_sqlite_hooks(engine: AsyncEngine) -> None:
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # we send BEGIN ourselves, see module doc
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {int(_BUSY_TIMEOUT_S * 1000)}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL is durable against app crashes
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        mode = conn.get_execution_options().get("sqlite_begin", "")
+        conn.exec_driver_sql(f"BEGIN {mode}".strip())
+
+
+def is_locked_error(exc: BaseException) -> bool:
+    text = str(getattr(exc, "orig", exc)).lower()
+    return "database is locked" in text or "database table is locked" in text
+
+
+class Database:
+    """An async engine plus read and write session factories."""
+
+    def __init__(self, url: str) -> None:
+        self.url = normalize_url(url)
+        self.is_sqlite = self.url.startswith("sqlite")
+        self.is_postgres = not self.is_sqlite
+        kwargs: dict[str, Any] = {}
+        if self.is_sqlite:
+            kwargs["connect_args"] = {"timeout": _BUSY_TIMEOUT_S}
+        else:
+            kwargs["pool_pre_ping"] = True
+        self.engine = create_async_engine(self.url, **kwargs)
+        write_engine = self.engine
+        if self.is_sqlite:
+            _install_sqlite_hooks(self.engine)
+            write_engine = self.engine.execution_options(sqlite_begin="IMMEDIATE")
+        self._read = async_sessionmaker(self.engine, expire_on_commit=False)
+        self._write = async_sessionmaker(write_engine, expire_on_commit=False)
+
+    async def run(self, fn: Callable[[AsyncSession], Awaitable[T]], *, write: bool = True) -> T:
+        """Run `fn` in one transaction, retried (from scratch) while SQLite reports a lock."""
+        factory = self._write if write else self._read
+        for attempt in range(_LOCK_RETRIES):
+            try:
+                async with factory() as session, session.begin():
+                    return await fn(session)
+            except OperationalError as exc:
+                if not is_locked_error(exc) or attempt == _LOCK_RETRIES - 1:
+                    raise
+            # Jitter so two processes that collided do not collide again in lock step.
+            await asyncio.sleep(min(0.05 * 2**attempt, 1.0) * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+    async def dispose(self) -> None:
+        await self.engine.dispose()

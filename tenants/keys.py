@@ -1,0 +1,56 @@
+"""API key format and hashing.
+
+A key is `fg-` plus 43 URL-safe characters (32 random bytes). Only its hash is stored:
+`sha256:<hex>`, or `hmac-sha256:<hex>` when the server has a secret (a stolen database then
+cannot be brute-forced offline without the secret as well).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+
+KEY_PREFIX = "fg-"
+DISPLAY_PREFIX_LEN = 10  # "fg-" + 7 characters: enough to tell keys apart, useless to guess
+_MAX_KEY_LEN = 256
+_HASH_RE = re.compile(r"^(sha256|hmac-sha256):[0-9a-f]{64}$")
+
+
+def generate_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(plaintext: str, secret: str | bytes | None = None) -> str:
+    """The stored form of a key: SHA-256, or HMAC-SHA256 under `secret`."""
+    data = plaintext.encode()
+    if secret is None:
+        return "sha256:" + hashlib.sha256(data).hexdigest()
+    key = secret.encode() if isinstance(secret, str) else secret
+    return "hmac-sha256:" + hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def hash_scheme(stored_hash: str) -> str:
+    return stored_hash.split(":", 1)[0]
+
+
+def is_valid_hash(stored_hash: object) -> bool:
+    return isinstance(stored_hash, str) and bool(_HASH_RE.match(stored_hash))
+
+
+def looks_like_key(plaintext: object) -> bool:
+    """Cheap shape check so garbage never reaches the database."""
+    return (
+        isinstance(plaintext, str)
+        and plaintext.startswith(KEY_PREFIX)
+        and len(KEY_PREFIX) < len(plaintext) <= _MAX_KEY_LEN
+    )
+
+
+def display_prefix(plaintext: str) -> str:
+    return plaintext[:DISPLAY_PREFIX_LEN]
+
+
+def hashes_equal(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())

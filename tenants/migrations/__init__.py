@@ -1,0 +1,1 @@
+"""Alembic environment for the tenants schema; run through `tenants.migrate.migrate()`."""

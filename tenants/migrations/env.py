@@ -1,0 +1,23 @@
+"""Alembic env: always online, on the connection `tenants.migrate` hands over.
+
+The caller owns the transaction (and, on PostgreSQL, the advisory lock held inside it), so this
+file only configures the context and runs the migrations inside that transaction.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+
+from tenants.models import Base
+
+connection = context.config.attributes.get("connection")
+if connection is None:
+    raise RuntimeError("run migrations through tenants.migrate.migrate(), not the alembic CLI")
+
+context.configure(
+    connection=connection,
+    target_metadata=Base.metadata,
+    render_as_batch=connection.dialect.name == "sqlite",  # SQLite ALTER goes through table copies
+)
+with context.begin_transaction():
+    context.run_migrations()

@@ -1,0 +1,72 @@
+"""SQLAlchemy tables. Times are epoch seconds (float) so SQLite and PostgreSQL compare them alike.
+
+The migrations in `tenants/migrations/versions` create exactly these tables; a test checks that
+Alembic's autogenerate finds no difference.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Boolean, Float, ForeignKey, Index, Integer, String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class TenantRow(Base):
+    __tablename__ = "fg_tenants"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True, nullable=False)
+    weight: Mapped[float] = mapped_column(Float, nullable=False)
+    default_priority: Mapped[str] = mapped_column(String(32), nullable=False)
+    allowed_priorities: Mapped[str] = mapped_column(String(128), nullable=False)  # comma list
+    requests_per_min: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_min: Mapped[int | None] = mapped_column(Integer)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    max_queued_requests: Mapped[int | None] = mapped_column(Integer)
+    max_queued_tokens: Mapped[int | None] = mapped_column(Integer)
+    max_tokens: Mapped[int | None] = mapped_column(Integer)
+    queue_timeout_s: Mapped[float | None] = mapped_column(Float)
+    slo_ttft_p99_s: Mapped[float | None] = mapped_column(Float)
+    slo_itl_p99_s: Mapped[float | None] = mapped_column(Float)
+    enabled: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    created_at: Mapped[float] = mapped_column(Float, nullable=False)
+    updated_at: Mapped[float] = mapped_column(Float, nullable=False)
+
+
+class ApiKeyRow(Base):
+    __tablename__ = "fg_api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("fg_tenants.id", ondelete="CASCADE"), nullable=False, index=True
+    )
+    prefix: Mapped[str] = mapped_column(String(16), nullable=False)
+    key_hash: Mapped[str] = mapped_column(String(128), unique=True, nullable=False)
+    created_at: Mapped[float] = mapped_column(Float, nullable=False)
+    last_used_at: Mapped[float | None] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float)
+
+
+class UsageRow(Base):
+    """Usage is an audit trail: it names the tenant rather than referencing it, so deleting a
+    tenant keeps its history and a flush never waits on a tenant lookup."""
+
+    __tablename__ = "fg_usage"
+    __table_args__ = (Index("ix_fg_usage_tenant_finished", "tenant", "finished_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(String(64), nullable=False)
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(256), nullable=False)
+    priority: Mapped[str] = mapped_column(String(32), nullable=False)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    completion_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    status: Mapped[int] = mapped_column(Integer, nullable=False)
+    queue_time: Mapped[float | None] = mapped_column(Float)
+    ttft: Mapped[float | None] = mapped_column(Float)
+    e2e: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[float] = mapped_column(Float, nullable=False)
+    finished_at: Mapped[float] = mapped_column(Float, nullable=False)

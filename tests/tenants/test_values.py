@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tenants import KEY_PREFIX, TenantError, TenantInfo, TenantLimits, generate_key, hash_key
+from tenants.db import normalize_url
+from tenants.keys import hashes_equal, is_valid_hash, looks_like_key
+
+
+@pytest.mark.parametrize(
+    "field", ["requests_per_min", "tokens_per_min", "max_concurrent", "max_queued_requests",
+              "max_queued_tokens", "max_tokens", "queue_timeout_s"],
+)
+@pytest.mark.parametrize("bad", [0, -1, math.inf, True, "10"])
+def test_limits_reject_non_positive_and_non_numbers(field: str, bad: object) -> None:
+    with pytest.raises(TenantError, match=field):
+        TenantLimits(**{field: bad})  # type: ignore[arg-type]
+
+
+def test_limits_int_fields_reject_fractions_but_timeout_accepts_them() -> None:
+    with pytest.raises(TenantError, match="integer"):
+        TenantLimits(max_tokens=1.5)  # type: ignore[arg-type]
+    assert TenantLimits(queue_timeout_s=0.5).queue_timeout_s == 0.5
+    assert TenantLimits().max_tokens is None  # unlimited by default
+
+
+@pytest.mark.parametrize("weight", [0, -2.0, None, math.nan])
+def test_weight_must_be_positive(weight: object) -> None:
+    with pytest.raises(TenantError, match="weight"):
+        TenantInfo(name="acme", weight=weight)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["", "-x", "a b", "x" * 65, "acme/1"])
+def test_bad_names(name: str) -> None:
+    with pytest.raises(TenantError, match="tenant name"):
+        TenantInfo(name=name)
+
+
+def test_priorities_checked_and_normalised() -> None:
+    info = TenantInfo(name="a", default_priority="batch", allowed_priorities=["batch"])  # type: ignore[arg-type]
+    assert info.allowed_priorities == ("batch",)
+    with pytest.raises(TenantError, match="not in allowed_priorities"):
+        TenantInfo(name="a", default_priority="interactive", allowed_priorities=("batch",))
+    with pytest.raises(TenantError, match="unknown priority"):
+        TenantInfo(name="a", allowed_priorities=("interactive", "urgent"))
+    with pytest.raises(TenantError, match="non-empty"):
+        TenantInfo(name="a", allowed_priorities=())
+
+
+def test_key_format_and_hashes() -> None:
+    key = generate_key()
+    assert key.startswith(KEY_PREFIX) and len(key) >= 40 and looks_like_key(key)
+    assert generate_key() != key
+    plain, keyed = hash_key(key), hash_key(key, "s3cret")
+    assert plain.startswith("sha256:") and keyed.startswith("hmac-sha256:")
+    assert is_valid_hash(plain) and is_valid_hash(keyed)
+    assert hash_key(key, "other") != keyed and hash_key(key) == plain
+    assert hashes_equal(plain, hash_key(key)) and not hashes_equal(plain, keyed)
+    assert key not in plain and key not in keyed
+    assert not looks_like_key("sk-123") and not looks_like_key("fg-") and not looks_like_key(None)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("sqlite:///x.db", "sqlite+aiosqlite:///x.db"),
+        ("sqlite+aiosqlite:///x.db", "sqlite+aiosqlite:///x.db"),
+        ("postgresql://u:p@h:5432/d", "postgresql+asyncpg://u:p@h:5432/d"),
+        ("postgres://u@h/d", "postgresql+asyncpg://u@h/d"),
+    ],
+)
+def test_normalize_url(url: str, expected: str) -> None:
+    assert normalize_url(url) == expected
+
+
+@pytest.mark.parametrize("url", ["mysql://x/y", "postgresql+psycopg2://h/d", "not a url"])
+def test_normalize_url_rejects(url: str) -> None:
+    with pytest.raises(TenantError):
+        normalize_url(url)
