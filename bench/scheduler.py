@@ -17,15 +17,22 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def measure(running: int, waiting: int, steps: int) -> list[float]:
-    config = EngineConfig(executor="sim", sim_model="llama-3-8b", sim_hardware="h100",
-                          max_num_seqs=running, max_num_batched_tokens=max(8192, running),
-                          max_model_len=8192, enable_prefix_caching=True)
+    config = EngineConfig(
+        executor="sim",
+        sim_model="llama-3-8b",
+        sim_hardware="h100",
+        max_num_seqs=running,
+        max_num_batched_tokens=max(8192, running),
+        max_model_len=8192,
+        enable_prefix_caching=True,
+    )
     engine = LLMEngine(config)
     for i in range(running + waiting):
         prompt = [1 + (i % 7)] * 64 + [100 + (i % 500)] * 64  # shared 64-token prefixes
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4000, ignore_eos=True))
     while len(engine.scheduler.running) < running or any(
-            r.is_prefill for r in engine.scheduler.running.values()):
+        r.is_prefill for r in engine.scheduler.running.values()
+    ):
         engine.step()
     scheduler, executor = engine.scheduler, engine.executor
     times = []
@@ -50,8 +57,10 @@ def main() -> None:
         times = sorted(measure(running, 1024, args.steps))
         median, p99 = statistics.median(times), times[int(0.99 * (len(times) - 1))]
         results[running] = median
-        print(f"running={running:5d} waiting=1024  median {median * 1e3:.3f} ms  "
-              f"p99 {p99 * 1e3:.3f} ms  {median / running * 1e6:.2f} us/running request")
+        print(
+            f"running={running:5d} waiting=1024  median {median * 1e3:.3f} ms  "
+            f"p99 {p99 * 1e3:.3f} ms  {median / running * 1e6:.2f} us/running request"
+        )
     print(f"ratio 1024/256 running: {results[1024] / results[256]:.2f} (4.00 = linear)")
     goal = "met" if results[256] <= 1e-3 else "NOT met"
     print(f"goal median <= 1 ms at 256 running: {goal}")

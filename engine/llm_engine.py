@@ -147,13 +147,18 @@ class LLMEngine:
         Only allowed with no unfinished requests (the caller drains or aborts first)."""
         if self.has_unfinished():
             raise RuntimeError("reconfigure needs an idle engine: drain or abort requests first")
+        self.check_reconfigurable(config)
+        self.scheduler = self._build_scheduler(config)
+        self.config = config
+
+    def check_reconfigurable(self, config: EngineConfig) -> None:
+        """ValueError if `config` changes a knob that needs a restart (weights, device, clock);
+        lets callers refuse a reconfiguration before draining for it."""
         fixed = ("model", "executor", "device", "dtype", "seed", "sim_model", "sim_hardware",
                  "sim_clock", "attention_backend")
         changed = [k for k in fixed if getattr(config, k) != getattr(self.config, k)]
         if changed:
             raise ValueError(f"cannot change {', '.join(changed)} without a restart")
-        self.scheduler = self._build_scheduler(config)
-        self.config = config
 
 
 def _default_clock(config: EngineConfig) -> Clock:

@@ -1,0 +1,525 @@
+"""AsyncEngine: LLMEngine's step loop on its own thread, per-request async token streams.
+
+The engine thread is the only one that touches the LLMEngine. Coroutines hand it requests,
+aborts and reconfigurations through a locked inbox; it blocks on a condition when idle, drains
+the inbox, steps, detokenises, and pushes each step's outputs to the event loop in one
+`call_soon_threadsafe`, where they land in per-request asyncio queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.llm_engine import LLMEngine, StepOutput
+from engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.stats import RequestRecord, StatsRecorder
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("fairgate.engine")
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full; try again after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineStopped(RuntimeError):
+    """The engine is not running (not started yet, or shut down)."""
+
+
+@dataclass
+class RequestOutput:
+    """One increment of a request's stream; `text` never ends inside a UTF-8 character."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    arrival_time: float
+    first_token_time: float | None = None
+    queue_time: float | None = None  # seconds from arrival to first scheduled
+    ttft: float | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineObserver(Protocol):
+    """Called on the engine thread (the Prometheus metrics are one)."""
+
+    def on_step(self, output: StepOutput) -> None: ...
+
+    def on_finished(self, record: RequestRecord) -> None: ...
+
+
+# ---- inbox commands --------------------------------------------------------------------------
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str
+    priority: str
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Reconfigure:
+    config: EngineConfig
+    abort_running: bool
+    deadline: float | None  # time.monotonic() after which running work is aborted
+    future: concurrent.futures.Future[EngineConfig] = field(
+        default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread state of a request in the LLMEngine."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stop: StopStringMatcher
+
+
+_Command = _Add | _Abort | _Reconfigure
+_Event = RequestOutput | tuple[str, BaseException]
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, *, llm_engine: LLMEngine | None = None) -> None:
+        self._engine = llm_engine or LLMEngine(config)
+        self.stats = StatsRecorder(self._engine.clock.now())
+        self._cond = threading.Condition()
+        # guarded by _cond
+        self._inbox: list[_Command] = []
+        self._stopping = False
+        self._pending_requests = 0  # submitted, not yet in the LLMEngine (inbox or parked)
+        self._pending_tokens = 0
+        # engine thread only
+        self._tracked: dict[str, _Tracked] = {}
+        self._parked: list[_Add] = []  # arrived during a reconfiguration's drain
+        self._reconfig: _Reconfigure | None = None
+        self._outbox: list[_Event] = []
+        self._counter_base = {"num_preemptions": 0, "prefix_cache_queries": 0,
+                              "prefix_cache_hits": 0}
+        # event loop only
+        self._streams: dict[str, asyncio.Queue[_Event]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._reconfigure_lock = asyncio.Lock()
+        self._observers: list[EngineObserver] = []
+        self._snapshot: dict[str, Any] = {}
+        self._publish_snapshot()
+
+    @classmethod
+    def from_engine(cls, llm_engine: LLMEngine) -> AsyncEngine:
+        return cls(llm_engine.config, llm_engine=llm_engine)
+
+    # ---- facts -------------------------------------------------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        return self._engine.config
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self._engine.config.model
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The synchronous core; touch it only while the engine thread is not running."""
+        return self._engine
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def now(self) -> float:
+        """The engine clock (virtual under the simulated executor's virtual clock)."""
+        return self._engine.clock.now()
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        self._observers = [*self._observers, observer]  # copied: the engine thread iterates
+
+    def remove_observer(self, observer: EngineObserver) -> None:
+        self._observers = [o for o in self._observers if o is not observer]
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="fairgate-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort every request (each open stream ends with reason abort), stop the thread."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            self._stopping = True
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(thread.join)
+        await asyncio.sleep(0)  # let the final outputs reach their streams
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, tenant: str = "",
+                       priority: str = "interactive") -> AsyncGenerator[RequestOutput, None]:
+        """Stream a request's outputs. Raises ValueError (bad input) or EngineOverloaded before
+        the first output; leaving the loop early aborts the request."""
+        queue = self._open_stream(request_id, prompt_token_ids, params, tenant, priority)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, tuple):
+                    finished = True
+                    raise item[1]
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(_Abort(request_id))
+
+    def _open_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     tenant: str, priority: str) -> asyncio.Queue[_Event]:
+        if not self.is_running:
+            raise EngineStopped("the engine is not running")
+        if not isinstance(prompt_token_ids, list):
+            raise ValueError("prompt_token_ids must be a list of token ids")
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}: a request with this id is "
+                             "still running")
+        self._admit(len(prompt_token_ids))
+        queue: asyncio.Queue[_Event] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._submit(_Add(request_id, prompt_token_ids, params, tenant, priority, self.now()))
+        return queue
+
+    def _admit(self, num_tokens: int) -> None:
+        config, snapshot = self.config, self._snapshot
+        with self._cond:
+            waiting = snapshot["waiting"] + self._pending_requests
+            tokens = snapshot["waiting_tokens"] + self._pending_tokens
+        if waiting >= config.max_waiting_requests:
+            reason = f"{waiting} requests waiting (max_waiting_requests {config.max_waiting_requests})"
+        elif tokens + num_tokens > config.max_waiting_tokens:
+            reason = f"{tokens} tokens waiting (max_waiting_tokens {config.max_waiting_tokens})"
+        else:
+            return
+        self.stats.reject(self.now(), "overloaded")
+        raise EngineOverloaded(f"engine overloaded: {reason}", self._retry_after(waiting))
+
+    def _retry_after(self, waiting: int) -> float:
+        """Seconds until the queue has likely drained, from the last 10 s of completions."""
+        records, _ = self.stats.recent(self.now(), 10.0)
+        rate = len(records) / 10.0
+        return 5.0 if rate == 0 else max(1.0, min(60.0, waiting / rate))
+
+    async def abort(self, request_id: str) -> None:
+        """End a request with reason abort; its stream gets a final output. Unknown ids: no-op."""
+        self._submit(_Abort(request_id))
+
+    async def reconfigure(self, changes: dict[str, Any], abort_running: bool = False,
+                          drain_timeout: float | None = None) -> EngineConfig:
+        """Drain (or abort) running work, then rebuild the scheduler and KV pool under the
+        changed knobs, keeping the weights. Requests arriving meanwhile wait, then run under
+        the new knobs. `drain_timeout`: seconds after which what still runs is aborted."""
+        async with self._reconfigure_lock:
+            try:
+                config = self.config.replace(**changes)
+            except TypeError as exc:  # a wrongly typed value compared inside validation
+                raise ValueError(f"invalid engine setting: {exc}") from None
+            self._engine.check_reconfigurable(config)
+            deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
+            command = _Reconfigure(config, abort_running, deadline)
+            self._submit(command)
+            return await asyncio.wrap_future(command.future)
+
+    def _submit(self, command: _Command) -> None:
+        with self._cond:
+            if isinstance(command, _Add):
+                self._pending_requests += 1
+                self._pending_tokens += len(command.prompt_token_ids)
+            self._inbox.append(command)
+            self._cond.notify()
+
+    # ---- observation -------------------------------------------------------------------------
+    def load(self) -> dict[str, Any]:
+        """What a gateway routes on: a cheap, thread-safe snapshot."""
+        snapshot = dict(self._snapshot)
+        with self._cond:
+            snapshot["waiting"] += self._pending_requests
+            snapshot["waiting_tokens"] += self._pending_tokens
+        return snapshot
+
+    def stats_window(self, window_s: float, slo_ttft: float | None = None,
+                     slo_itl: float | None = None) -> dict[str, Any]:
+        stats = self.stats.window(self.now(), window_s, slo_ttft, slo_itl)
+        stats["preemptions_total"] = self._snapshot["num_preemptions"]
+        stats["load"] = self.load()
+        return stats
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            commands, stopping = self._wait_for_work()
+            try:
+                for command in commands:
+                    self._apply(command)
+                if stopping:
+                    self._stop_all()
+                else:
+                    self._advance_reconfigure()
+                    if self._engine.has_unfinished():
+                        self._step()
+            except Exception:  # a bug here must not strand every stream: fail them, go on
+                logger.exception("engine loop error; failing unfinished requests")
+                self._fail_all()
+            self._publish_snapshot()
+            self._flush()
+            if stopping:
+                return
+
+    def _wait_for_work(self) -> tuple[list[_Command], bool]:
+        with self._cond:
+            while not (self._inbox or self._stopping or self._reconfig is not None
+                       or self._engine.has_unfinished()):
+                self._cond.wait()
+            commands, self._inbox = self._inbox, []
+            return commands, self._stopping
+
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _Add):
+            if self._reconfig is not None:
+                self._parked.append(command)
+            else:
+                self._add(command)
+        elif isinstance(command, _Abort):
+            self._abort(command.request_id)
+        else:
+            if self._reconfig is not None:  # the async side serialises; belt and braces
+                _resolve(command.future, error=RuntimeError("a reconfiguration is running"))
+                return
+            self._reconfig = command
+            if command.abort_running:
+                self._abort_all()
+
+    def _add(self, command: _Add) -> None:
+        self._unpend(command)
+        try:
+            request = self._engine.add_request(
+                command.request_id, command.prompt_token_ids, command.params,
+                tenant=command.tenant, priority=command.priority,
+                arrival_time=command.arrival_time)
+        except ValueError as exc:
+            self.stats.reject(self.now(), "invalid")
+            self._outbox.append((command.request_id, exc))
+            return
+        self._tracked[command.request_id] = _Tracked(
+            request, IncrementalDetokenizer(self._engine.tokenizer),
+            StopStringMatcher(command.params.stop))
+
+    def _unpend(self, command: _Add) -> None:
+        with self._cond:
+            self._pending_requests -= 1
+            self._pending_tokens -= len(command.prompt_token_ids)
+
+    def _abort(self, request_id: str) -> None:
+        parked = next((a for a in self._parked if a.request_id == request_id), None)
+        if parked is not None:
+            self._parked.remove(parked)
+            self._end_parked(parked)
+        elif request_id in self._tracked:
+            self._engine.abort(request_id)
+            self._emit(request_id, [], FinishReason.ABORT)
+
+    def _end_parked(self, command: _Add) -> None:
+        self._unpend(command)
+        self._outbox.append(RequestOutput(
+            command.request_id, [], "", True, FinishReason.ABORT.value,
+            len(command.prompt_token_ids), 0, command.arrival_time))
+
+    def _abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
+        for request_id in list(self._tracked):
+            self._engine.finish(request_id, reason)
+            self._emit(request_id, [], reason)
+
+    def _fail_all(self) -> None:
+        try:
+            self._abort_all(FinishReason.ERROR)
+        except Exception:
+            logger.exception("could not fail requests cleanly")
+            self._tracked.clear()
+
+    def _stop_all(self) -> None:
+        for command in self._parked:
+            self._end_parked(command)
+        self._parked.clear()
+        self._abort_all()
+        if self._reconfig is not None:
+            _resolve(self._reconfig.future, error=EngineStopped("the engine shut down"))
+            self._reconfig = None
+
+    def _step(self) -> None:
+        try:
+            output = self._engine.step()
+        except Exception:
+            logger.exception("engine step failed; failing its requests")
+            self._fail_all()
+            return
+        for request_id, token_ids in output.outputs.items():
+            self._emit(request_id, token_ids, output.finished.get(request_id))
+        for request_id, reason in output.finished.items():
+            if request_id not in output.outputs:
+                self._emit(request_id, [], reason)
+        for observer in self._observers:
+            _notify(observer.on_step, output)
+
+    def _emit(self, request_id: str, token_ids: list[int], reason: FinishReason | None) -> None:
+        """Detokenise new tokens, apply stop strings, queue the output (engine thread)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return
+        text = tracked.detokenizer.add(token_ids)
+        if reason is not None:
+            text += tracked.detokenizer.flush()
+        text = tracked.stop.feed(text, final=reason is not None)
+        if tracked.stop.stopped and reason in (None, FinishReason.LENGTH):
+            if reason is None:
+                self._engine.finish(request_id, FinishReason.STOP)
+            reason = FinishReason.STOP
+        self._outbox.append(_output(tracked.request, token_ids, text, reason))
+        if reason is not None:
+            del self._tracked[request_id]
+            self._record(tracked.request, reason)
+
+    def _record(self, request: Request, reason: FinishReason) -> None:
+        finished = request.finished_time if request.finished_time is not None else self.now()
+        record = RequestRecord(
+            request_id=request.request_id, tenant=request.tenant, priority=request.priority,
+            finish_reason=reason.value, arrival_time=request.arrival_time,
+            finished_time=finished, first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time, token_times=tuple(request.token_times),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions)
+        self.stats.add(record)
+        for observer in self._observers:
+            _notify(observer.on_finished, record)
+
+    def _advance_reconfigure(self) -> None:
+        command = self._reconfig
+        if command is None:
+            return
+        if command.deadline is not None and time.monotonic() >= command.deadline:
+            self._abort_all()
+        if self._engine.has_unfinished():
+            return  # still draining
+        self._reconfig = None
+        try:
+            self._rebuild(command.config)
+            _resolve(command.future, result=self._engine.config)
+        except Exception as exc:
+            _resolve(command.future, error=exc)
+        parked, self._parked = self._parked, []
+        for add in parked:
+            self._add(add)
+
+    def _rebuild(self, config: EngineConfig) -> None:
+        """Reconfigure; on failure, rebuild the old configuration so the engine keeps serving."""
+        old = self._engine.config
+        stats = self._engine.stats()
+        for key in self._counter_base:  # counters live in the scheduler being replaced
+            self._counter_base[key] += stats[key]
+        try:
+            self._engine.reconfigure(config)
+        except Exception:
+            self._engine.reconfigure(old)
+            raise
+
+    def _publish_snapshot(self) -> None:
+        stats = self._engine.stats()
+        for key, base in self._counter_base.items():
+            stats[key] += base
+        stats["waiting_tokens"] = sum(
+            r.num_remaining_tokens for r in self._engine.scheduler.requests.values()
+            if r.status is RequestStatus.WAITING)
+        stats["max_model_len"] = self._engine.config.max_model_len
+        stats["reconfiguring"] = self._reconfig is not None
+        stats["num_steps"] = self._engine.num_steps
+        self._snapshot = stats  # one reference swap: readers see a whole snapshot
+
+    def _flush(self) -> None:
+        if not self._outbox or self._loop is None:
+            return
+        batch, self._outbox = self._outbox, []
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, batch)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            logger.debug("event loop closed; dropped %d outputs", len(batch))
+
+    # ---- event loop --------------------------------------------------------------------------
+    def _dispatch(self, batch: list[_Event]) -> None:
+        for event in batch:
+            request_id = event[0] if isinstance(event, tuple) else event.request_id
+            queue = self._streams.get(request_id)
+            if queue is not None:  # None: the client left and the abort is on its way
+                queue.put_nowait(event)
+
+
+def _output(request: Request, token_ids: list[int], text: str,
+            reason: FinishReason | None) -> RequestOutput:
+    first_token, scheduled = request.first_token_time, request.first_scheduled_time
+    return RequestOutput(
+        request_id=request.request_id, new_token_ids=list(token_ids), text=text,
+        finished=reason is not None, finish_reason=None if reason is None else reason.value,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens, arrival_time=request.arrival_time,
+        first_token_time=first_token,
+        queue_time=None if scheduled is None else scheduled - request.arrival_time,
+        ttft=None if first_token is None else first_token - request.arrival_time,
+        num_cached_tokens=request.num_cached_tokens)
+
+
+def _resolve(future: concurrent.futures.Future[EngineConfig], result: EngineConfig | None = None,
+             error: BaseException | None = None) -> None:
+    if future.done():  # the awaiting coroutine was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    elif result is not None:
+        future.set_result(result)
+
+
+def _notify(callback: Any, value: Any) -> None:
+    try:
+        callback(value)
+    except Exception:  # an observer's bug must not stop serving
+        logger.exception("engine observer failed")

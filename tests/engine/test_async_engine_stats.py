@@ -1,0 +1,52 @@
+"""Exact percentiles, windows and goodput of engine.stats."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.stats import RequestRecord, StatsRecorder, percentile, summarize
+
+
+def record(i: int, arrival: float, ttft: float, itl: float, n: int,
+           reason: str = "length") -> RequestRecord:
+    first = arrival + ttft
+    times = tuple(first + k * itl for k in range(n))
+    return RequestRecord(f"r{i}", "t", "interactive", reason, arrival, times[-1] if times else first,
+                         arrival + ttft / 2, first if times else None, times, 10, n)
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.sampled_from([0, 50, 90, 99, 100]))
+def test_percentile_matches_numpy(values: list[float], q: int) -> None:
+    assert np.isclose(percentile(sorted(values), q), np.percentile(values, q), rtol=1e-9, atol=1e-6)
+
+
+def test_summary_of_nothing_is_json_safe() -> None:
+    assert summarize([]) == {"count": 0, "mean": None, "max": None, "p50": None, "p90": None,
+                             "p95": None, "p99": None}
+
+
+def test_window_latencies_throughput_and_goodput() -> None:
+    stats = StatsRecorder(start_time=0.0)
+    stats.add(record(0, arrival=0.0, ttft=0.1, itl=0.01, n=11))  # finishes at 0.2: outside
+    for i in range(1, 5):  # ttft 0.1 .. 0.4, itl 0.02
+        stats.add(record(i, arrival=100.0, ttft=0.1 * i, itl=0.02, n=6))
+    stats.add(record(9, arrival=101.0, ttft=0.1, itl=0.02, n=3, reason="abort"))
+    stats.reject(105.0, "overloaded")
+    out = stats.window(now=110.0, window_s=20.0, slo_ttft=0.25, slo_itl=0.05)
+    assert out["requests"] == {"finished": 5, "by_reason": {"length": 4, "abort": 1}}
+    assert out["ttft"]["count"] == 4 and np.isclose(out["ttft"]["p50"], 0.25)
+    assert out["itl"]["count"] == 4 * 5 and np.isclose(out["itl"]["p99"], 0.02)
+    assert np.isclose(out["tpot"]["mean"], 0.02)
+    assert np.isclose(out["queue_time"]["max"], 0.2)
+    assert np.isclose(out["throughput"]["output_tokens_per_s"], 24 / 20)
+    assert out["goodput"]["requests"] == 2 and out["goodput"]["fraction"] == 0.5
+    assert out["rejections"] == {"total": 1, "by_reason": {"overloaded": 1}}
+
+
+def test_old_records_are_pruned() -> None:
+    stats = StatsRecorder(start_time=0.0, retention_s=10.0)
+    stats.add(record(0, 0.0, 0.1, 0.01, 3))
+    stats.add(record(1, 100.0, 0.1, 0.01, 3))
+    assert len(stats.recent(100.2, 1000.0)[0]) == 1
