@@ -1,0 +1,44 @@
+"""Workloads, traces, the load generator and (later) the Optuna tuner.
+
+`import tuner` stays cheap: the names below load their modules on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tuner import workload as workloads
+    from tuner.loadgen import RunOptions, Target, run_workload, run_workload_sync
+    from tuner.report import Report
+    from tuner.traces import TraceRequest, load_trace
+
+_LAZY = {
+    "run_workload": "tuner.loadgen",
+    "run_workload_sync": "tuner.loadgen",
+    "RunOptions": "tuner.loadgen",
+    "Target": "tuner.loadgen",
+    "Report": "tuner.report",
+    "TraceRequest": "tuner.traces",
+    "load_trace": "tuner.traces",
+}
+
+__all__ = [
+    "Report",
+    "RunOptions",
+    "Target",
+    "TraceRequest",
+    "load_trace",
+    "run_workload",
+    "run_workload_sync",
+    "workloads",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "workloads":
+        return importlib.import_module("tuner.workload")
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tuner' has no attribute {name!r}")

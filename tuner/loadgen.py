@@ -1,0 +1,412 @@
+"""The load generator: send a workload's requests on schedule to an OpenAI-compatible streaming
+endpoint and time every token.
+
+`run_workload(workload, target) -> Report` is the library entry point (the tuner calls it); the
+`fairgate bench` command is a thin shell around it. Works against fairgate's gateway and engine,
+vLLM and SGLang: requests carry `max_tokens` + `ignore_eos` so outputs have the traced length.
+
+Speed matters: the load generator must never be the bottleneck it measures. One ClientSession
+whose connector limit equals the concurrency, requests built just in time, SSE split per network
+read and one timestamp per read (not per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import yarl
+
+from tuner.report import OK, Report, RequestResult
+from tuner.traces import TraceRequest
+from tuner.workload import (
+    TOKENIZERS,
+    Limits,
+    LoadShape,
+    Synthetic,
+    TokensToText,
+    TraceReplay,
+    Workload,
+    build_requests,
+    get_workload,
+)
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+class BenchError(Exception):
+    """The run cannot start (unreachable server, bad target): one line for the user."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where to send: base URL (with or without /v1), default key, API flavour, model."""
+
+    url: str
+    api_key: str | None = None
+    endpoint: str = "completions"
+    model: str | None = None  # None = first id of GET /v1/models, else "default"
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(
+                f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}"
+            )
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--url must start with http:// or https://, got {self.url!r}")
+
+    @property
+    def base(self) -> str:
+        base = self.url.rstrip("/")
+        return base[:-3] if base.endswith("/v1") else base
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    max_concurrency: int | None = None  # None = open loop: every request leaves on schedule
+    slo_ttft: float | None = None  # seconds
+    slo_itl: float | None = None  # seconds, compared with each request's TPOT
+    request_timeout: float = 600.0
+    tokenizer: str = "byte"  # a key of TOKENIZERS, used when no tokens_to_text is given
+    salt: int | None = None  # prompt-text salt; None = random, so runs never share a cache
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZERS)}")
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int
+    total: int
+    failed: int
+    elapsed: float
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+async def run_workload(
+    workload: Workload | str | Sequence[TraceRequest],
+    target: Target | str,
+    *,
+    shape: LoadShape | None = None,
+    limits: Limits | None = None,
+    options: RunOptions | None = None,
+    tokens_to_text: TokensToText | None = None,
+    on_progress: ProgressFn | None = None,
+) -> Report:
+    """Send every request of `workload` (a name, a `Workload`, or ready requests) and measure."""
+    target = Target(target) if isinstance(target, str) else target
+    options = options or RunOptions()
+    requests = _requests(workload, shape, limits)
+    salt = options.salt if options.salt is not None else secrets.randbits(31)
+    text = tokens_to_text or TOKENIZERS[options.tokenizer](salt)
+    connector = aiohttp.TCPConnector(limit=options.max_concurrency or 0, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=options.request_timeout)
+    # No cookies, no decompression: per-request work the measurement never needs.
+    async with aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
+    ) as session:
+        model = target.model or await discover_model(session, target)
+        sender = _Sender(session, target, model, text, options)
+        text(1, 0)  # builds the text pool now, not inside the first timed request
+        results, duration = await _dispatch(requests, sender, options, on_progress)
+    config = {
+        "url": target.url,
+        "endpoint": target.endpoint,
+        "model": model,
+        "requests": len(requests),
+        "max_concurrency": options.max_concurrency,
+    }
+    return Report(results, duration, options.slo_ttft, options.slo_itl, config)
+
+
+def _requests(
+    workload: Workload | str | Sequence[TraceRequest],
+    shape: LoadShape | None,
+    limits: Limits | None,
+) -> list[TraceRequest]:
+    if isinstance(workload, str):
+        return build_requests(get_workload(workload), shape, limits)
+    if isinstance(workload, Synthetic | TraceReplay):
+        return build_requests(workload, shape, limits)
+    return list(workload)
+
+
+def run_workload_sync(*args: Any, **kwargs: Any) -> Report:
+    """`run_workload` for callers without an event loop."""
+    return asyncio.run(run_workload(*args, **kwargs))
+
+
+async def discover_model(session: aiohttp.ClientSession, target: Target) -> str:
+    """The first model id the server lists; "default" when it lists none or refuses."""
+    try:
+        async with session.get(
+            target.base + "/v1/models",
+            headers=_headers(target.api_key),
+            timeout=aiohttp.ClientTimeout(total=10),
+        ) as resp:
+            if resp.status != 200:
+                return "default"
+            data = await resp.json(content_type=None)
+    except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+        raise BenchError(f"cannot reach {target.url}: {exc or type(exc).__name__}") from None
+    except (aiohttp.ClientError, ValueError):
+        return "default"
+    models = data.get("data") if isinstance(data, dict) else None
+    if models and isinstance(models[0], dict) and "id" in models[0]:
+        return str(models[0]["id"])
+    return "default"
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+async def _dispatch(
+    requests: Sequence[TraceRequest],
+    sender: _Sender,
+    options: RunOptions,
+    on_progress: ProgressFn | None,
+) -> tuple[list[RequestResult], float]:
+    """Release each request at its arrival time (or when a concurrency slot frees up)."""
+    results = [RequestResult(i, r.tenant, r.priority, r.arrival) for i, r in enumerate(requests)]
+    limit = asyncio.Semaphore(options.max_concurrency) if options.max_concurrency else None
+    tasks: set[asyncio.Task[None]] = set()
+    t0 = time.perf_counter()
+    ticker = asyncio.create_task(_tick(results, t0, on_progress)) if on_progress else None
+    try:
+        for req, result in zip(requests, results, strict=True):
+            delay = t0 + req.arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if limit is not None:
+                await limit.acquire()
+            task = asyncio.create_task(sender.send(req, result, t0))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            if limit is not None:
+                task.add_done_callback(lambda _t: limit.release())
+        while tasks:
+            await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        if ticker is not None:
+            ticker.cancel()
+    duration = time.perf_counter() - t0
+    if on_progress:
+        on_progress(_progress(results, duration))
+    return results, duration
+
+
+def _progress(results: list[RequestResult], elapsed: float) -> Progress:
+    done = sum(r.e2e is not None or (r.status != OK) for r in results)
+    failed = sum(r.status != OK for r in results)
+    return Progress(done, len(results), failed, elapsed)
+
+
+async def _tick(results: list[RequestResult], t0: float, on_progress: ProgressFn) -> None:
+    while True:
+        on_progress(_progress(results, time.perf_counter() - t0))
+        await asyncio.sleep(0.25)
+
+
+class _Sender:
+    """Builds one request's body, sends it and times its stream."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        target: Target,
+        model: str,
+        text: TokensToText,
+        options: RunOptions,
+    ) -> None:
+        self.session = session
+        self.target = target
+        self.url = yarl.URL(target.base + ENDPOINTS[target.endpoint])  # parsed once, not per send
+        self.model = model
+        self.text = text
+        self.extra = dict(options.extra_body)
+        self._headers: dict[str | None, dict[str, str]] = {}
+
+    def body(self, req: TraceRequest, seed: int) -> bytes:
+        prompt = self.text(req.prompt_tokens, seed, req.prefix_hashes, req.block_tokens)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": req.output_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
+        if self.target.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        if req.priority is not None:
+            body["priority"] = req.priority
+        if req.tenant != "default":
+            body["user"] = req.tenant
+        body.update(self.extra)
+        return json.dumps(body).encode()
+
+    def headers(self, api_key: str | None) -> dict[str, str]:
+        key = api_key or self.target.api_key
+        if key not in self._headers:
+            self._headers[key] = _headers(key)
+        return self._headers[key]
+
+    async def send(self, req: TraceRequest, result: RequestResult, t0: float) -> None:
+        data = self.body(req, result.index)
+        result.prompt_tokens = req.prompt_tokens
+        start = time.perf_counter()
+        result.start = start - t0
+        try:
+            async with self.session.post(
+                self.url, data=data, headers=self.headers(req.api_key)
+            ) as resp:
+                if resp.status != 200:
+                    result.status = f"HTTP {resp.status}"
+                    result.error = _error_message(await resp.read())
+                elif resp.content_type == "application/json":
+                    _read_whole(await resp.read(), start, result)
+                else:
+                    await _read_stream(resp, start, result)
+        except TimeoutError:
+            result.status, result.error = "timeout", f"no answer in {self.session.timeout.total} s"
+        except aiohttp.ClientConnectorError as exc:
+            result.status, result.error = "connection error", str(exc)
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            # A broken or garbled stream is a result to count, never a crash of the whole run.
+            result.status, result.error = "stream error", str(exc) or type(exc).__name__
+
+
+def _error_message(body: bytes) -> str:
+    """OpenAI's {"error": {"message": ...}} when present, else the start of the body."""
+    text = body.decode("utf-8", errors="replace")
+    try:
+        err = json.loads(text).get("error")
+        message = err.get("message") if isinstance(err, dict) else err
+        if message:
+            return str(message)
+    except (ValueError, AttributeError):
+        pass
+    return text[:200]
+
+
+# Plain mid-stream events (one open choice, nothing else) are counted in bulk by a byte search:
+# JSON escapes quotes inside strings, so generated text cannot fake these markers. Any other line
+# (role preamble, last token, usage, errors, other spacing) is parsed with json.loads.
+_OPEN_CHOICE = b'"finish_reason":null'
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, start: float, result: RequestResult) -> None:
+    stamps: list[float] = []  # one per token-carrying event
+    usage: dict[str, Any] | None = None
+    pending = b""
+    async for chunk in resp.content.iter_any():
+        now = time.perf_counter()  # events in one network read arrived together
+        data = pending + chunk if pending else chunk
+        cut = data.rfind(b"\n") + 1
+        block, pending = data[:cut], data[cut:]
+        tokens = block.count(_OPEN_CHOICE)
+        for event_bytes in _special_events(block):
+            tokens -= event_bytes.count(_OPEN_CHOICE)
+            for line in event_bytes.split(b"\n"):
+                event = _parse_event(line)
+                if event is None:
+                    continue
+                if "error" in event:
+                    result.status, result.error = "stream error", _error_message(line[5:])
+                    return
+                usage = event.get("usage") or usage
+                tokens += _token_events(event.get("choices"))
+        if tokens:
+            stamps.extend([now] * tokens)
+    _finish(result, start, time.perf_counter(), stamps, usage)
+
+
+def _special_events(block: bytes) -> list[bytes]:
+    """The events in `block` that the bulk count cannot be trusted with."""
+    return [
+        event
+        for event in block.split(b"\n\n")
+        if event
+        and (
+            _OPEN_CHOICE not in event
+            or b'"usage"' in event
+            or b'"error"' in event
+            or b'"role"' in event
+        )
+    ]
+
+
+def _parse_event(line: bytes) -> dict[str, Any] | None:
+    if not line.startswith(b"data:"):
+        return None  # comments (keep-alives), event names, ids
+    payload = line[5:].strip()
+    if payload == b"[DONE]":
+        return None
+    event = json.loads(payload)
+    return event if isinstance(event, dict) else None
+
+
+def _token_events(choices: list[dict[str, Any]] | None) -> int:
+    """How many choices in this event carry generated text. Empty text still counts (a byte
+    token may decode to nothing yet) unless it is the chat role preamble or the finish marker."""
+    count = 0
+    for choice in choices or ():
+        delta = choice.get("delta")
+        text = choice.get("text") if delta is None else delta.get("content")
+        if text or (
+            text == "" and choice.get("finish_reason") is None and "role" not in (delta or {})
+        ):
+            count += 1
+    return count
+
+
+def _finish(
+    result: RequestResult,
+    start: float,
+    end: float,
+    stamps: list[float],
+    usage: dict[str, Any] | None,
+) -> None:
+    if not stamps:
+        result.status, result.error = "stream error", "the stream ended without any tokens"
+        return
+    result.ttft = stamps[0] - start
+    result.e2e = end - start
+    result.itl = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    result.output_tokens = int(usage.get("completion_tokens", 0) if usage else 0) or len(stamps)
+    if usage and usage.get("prompt_tokens"):
+        result.prompt_tokens = int(usage["prompt_tokens"])
+
+
+def _read_whole(body: bytes, start: float, result: RequestResult) -> None:
+    """A server that ignored `stream: true`: one answer, TTFT = e2e, no gaps."""
+    end = time.perf_counter()
+    try:
+        usage = json.loads(body).get("usage") or {}
+    except (ValueError, AttributeError):
+        result.status, result.error = "stream error", "the answer is not JSON"
+        return
+    tokens = int(usage.get("completion_tokens") or 1)
+    _finish(result, start, end, [end], {"completion_tokens": tokens, **usage})

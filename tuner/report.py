@@ -1,0 +1,295 @@
+"""What a load test measured: one `RequestResult` per request, summed up in a `Report`.
+
+Definitions (as in `vllm bench serve`): TTFT = send to first token; ITL = every gap between
+two streamed chunks that carry tokens; TPOT = (e2e - TTFT) / (output tokens - 1); e2e = send to
+last byte. A request meets the SLOs (counts toward goodput) when it succeeded, its TTFT is within
+`slo_ttft` and its TPOT (its mean inter-token gap) is within `slo_itl`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+OK = "ok"
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    tenant: str
+    priority: str | None
+    scheduled: float  # planned send time, seconds from the run's start
+    start: float = 0.0  # actual send time (later than scheduled when concurrency is capped)
+    status: str = OK  # "ok", "HTTP 429", "connection error", "timeout", "stream error"
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    def meets(self, slo_ttft: float | None, slo_itl: float | None) -> bool:
+        if not self.ok or self.ttft is None:
+            return False
+        if slo_ttft is not None and self.ttft > slo_ttft:
+            return False
+        tpot = self.tpot
+        return slo_itl is None or tpot is None or tpot <= slo_itl
+
+    def row(self) -> dict[str, Any]:
+        itl = self.itl
+        return {
+            "index": self.index,
+            "tenant": self.tenant,
+            "priority": self.priority or "",
+            "scheduled_s": _r(self.scheduled),
+            "start_s": _r(self.start),
+            "status": self.status,
+            "error": self.error,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "ttft_s": _r(self.ttft),
+            "tpot_s": _r(self.tpot),
+            "e2e_s": _r(self.e2e),
+            "itl_mean_s": _r(sum(itl) / len(itl)) if itl else None,
+            "itl_max_s": _r(max(itl)) if itl else None,
+        }
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
+    """mean, median, p90, p99 in milliseconds (None when there is nothing to measure)."""
+    if not len(values):
+        return {"mean_ms": None, "median_ms": None, "p90_ms": None, "p99_ms": None}
+    arr = np.asarray(values, dtype=np.float64) * 1000.0
+    p50, p90, p99 = np.percentile(arr, PERCENTILES).tolist()
+    return {"mean_ms": float(arr.mean()), "median_ms": p50, "p90_ms": p90, "p99_ms": p99}
+
+
+@dataclass
+class Summary:
+    """Aggregates over a set of results (the whole run or one tenant)."""
+
+    completed: int
+    failed: dict[str, int]
+    input_tokens: int
+    output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    goodput: float | None
+    ttft: dict[str, float | None]
+    tpot: dict[str, float | None]
+    itl: dict[str, float | None]
+    e2e: dict[str, float | None]
+
+    @classmethod
+    def of(
+        cls,
+        results: Sequence[RequestResult],
+        duration: float,
+        slo_ttft: float | None,
+        slo_itl: float | None,
+    ) -> Summary:
+        ok = [r for r in results if r.ok]
+        per_s = 1.0 / duration if duration > 0 else 0.0
+        inp = sum(r.prompt_tokens for r in ok)
+        out = sum(r.output_tokens for r in ok)
+        has_slo = slo_ttft is not None or slo_itl is not None
+        good = sum(r.meets(slo_ttft, slo_itl) for r in ok)
+        return cls(
+            completed=len(ok),
+            failed=dict(Counter(r.status for r in results if not r.ok).most_common()),
+            input_tokens=inp,
+            output_tokens=out,
+            request_throughput=len(ok) * per_s,
+            output_throughput=out * per_s,
+            total_token_throughput=(inp + out) * per_s,
+            goodput=good * per_s if has_slo else None,
+            ttft=latency_stats([r.ttft for r in ok if r.ttft is not None]),
+            tpot=latency_stats([t for r in ok if (t := r.tpot) is not None]),
+            itl=latency_stats([g for r in ok for g in r.itl]),
+            e2e=latency_stats([r.e2e for r in ok if r.e2e is not None]),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Report:
+    results: list[RequestResult]
+    duration: float
+    slo_ttft: float | None = None
+    slo_itl: float | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    total: Summary = field(init=False)
+    tenants: dict[str, Summary] = field(init=False)
+    errors: dict[str, str] = field(init=False)  # status -> first message seen
+
+    def __post_init__(self) -> None:
+        self.total = Summary.of(self.results, self.duration, self.slo_ttft, self.slo_itl)
+        names = sorted({r.tenant for r in self.results})
+        self.tenants = (
+            {
+                name: Summary.of(
+                    [r for r in self.results if r.tenant == name],
+                    self.duration,
+                    self.slo_ttft,
+                    self.slo_itl,
+                )
+                for name in names
+            }
+            if len(names) > 1
+            else {}
+        )
+        self.errors = {}
+        for r in self.results:
+            if not r.ok:
+                self.errors.setdefault(r.status, r.error)
+
+    @property
+    def failed(self) -> int:
+        return sum(self.total.failed.values())
+
+    def to_json(self, with_requests: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "config": self.config,
+            "duration_s": self.duration,
+            "slo": {"ttft_s": self.slo_ttft, "itl_s": self.slo_itl},
+            **self.total.to_json(),
+            "errors": self.errors,
+            "tenants": {name: s.to_json() for name, s in self.tenants.items()},
+        }
+        if with_requests:
+            out["requests"] = [
+                {**r.row(), "itl_s": [round(g, 6) for g in r.itl]} for r in self.results
+            ]
+        return out
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+
+    def write_csv(self, path: str | Path) -> None:
+        fields = list(RequestResult(0, "", None, 0.0).row())
+        with Path(path).open("w", encoding="utf-8", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(r.row() for r in self.results)
+
+    def format(self) -> str:
+        return format_report(self)
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def _line(label: str, value: object) -> str:
+    if isinstance(value, float):
+        value = "n/a" if math.isnan(value) else f"{value:.2f}"
+    return f"{label:<40} {value}"
+
+
+def _heading(title: str, fill: str = "-") -> str:
+    return f"{title:{fill}^50}"
+
+
+def _latency_block(title: str, short: str, stats: dict[str, float | None]) -> list[str]:
+    names = {"mean_ms": "Mean", "median_ms": "Median", "p90_ms": "P90", "p99_ms": "P99"}
+    return [_heading(title)] + [
+        _line(f"{names[k]} {short} (ms):", float("nan") if v is None else v)
+        for k, v in stats.items()
+    ]
+
+
+def format_report(report: Report) -> str:
+    t = report.total
+    lines = [
+        _heading(" Serving Benchmark Result ", "="),
+        _line("Successful requests:", t.completed),
+        _line("Failed requests:", report.failed),
+    ]
+    for status, count in t.failed.items():
+        lines.append(_line(f"  {status}:", f"{count}  ({_hint(status, report.errors[status])})"))
+    lines += [
+        _line("Benchmark duration (s):", report.duration),
+        _line("Total input tokens:", t.input_tokens),
+        _line("Total generated tokens:", t.output_tokens),
+        _line("Request throughput (req/s):", t.request_throughput),
+        _line("Output token throughput (tok/s):", t.output_throughput),
+        _line("Total token throughput (tok/s):", t.total_token_throughput),
+    ]
+    if t.goodput is not None:
+        lines.append(_line(f"Request goodput (req/s) [{_slo_text(report)}]:", t.goodput))
+    lines += _latency_block("Time to First Token", "TTFT", t.ttft)
+    lines += _latency_block("Time per Output Token (excl. 1st token)", "TPOT", t.tpot)
+    lines += _latency_block("Inter-token Latency", "ITL", t.itl)
+    lines += _latency_block("End-to-end Latency", "E2E", t.e2e)
+    if report.tenants:
+        lines += _tenant_table(report)
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def _slo_text(report: Report) -> str:
+    parts = []
+    if report.slo_ttft is not None:
+        parts.append(f"TTFT<={report.slo_ttft * 1000:g}ms")
+    if report.slo_itl is not None:
+        parts.append(f"ITL<={report.slo_itl * 1000:g}ms")
+    return " ".join(parts)
+
+
+def _hint(status: str, message: str) -> str:
+    hints = {
+        "HTTP 401": "unauthorized: check --api-key or the tenant keys",
+        "HTTP 429": "rate limited or queue full: lower --rate or raise the tenant's limits",
+        "connection error": "is the server running at --url?",
+    }
+    text = message.strip().replace("\n", " ")[:200]
+    hint = hints.get(status)
+    return f"{hint}; {text}" if hint and text else hint or text or "no message"
+
+
+def _tenant_table(report: Report) -> list[str]:
+    head = (
+        f"{'tenant':<14}{'ok':>6}{'fail':>6}{'req/s':>8}{'tok/s':>9}{'good/s':>8}"
+        f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+    )
+    lines = [_heading("Per tenant (latencies in ms)"), head]
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    for name, s in report.tenants.items():
+        good = "-" if s.goodput is None else f"{s.goodput:.2f}"
+        lines.append(
+            f"{name[:13]:<14}{s.completed:>6}{sum(s.failed.values()):>6}"
+            f"{s.request_throughput:>8.2f}{s.output_throughput:>9.1f}{good:>8}"
+            f"{ms(s.ttft['median_ms']):>10}{ms(s.ttft['p99_ms']):>10}"
+            f"{ms(s.itl['median_ms']):>9}{ms(s.itl['p99_ms']):>9}"
+        )
+    return lines
