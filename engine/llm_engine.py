@@ -50,7 +50,7 @@ class LLMEngine:
         kv = KVCacheManager(capacity.num_blocks, config.block_size, config.enable_prefix_caching,
                             capacity.num_host_blocks)
         tokens = capacity.num_blocks * config.block_size
-        logger.info("KV cache: %d blocks, %d tokens; max concurrency at max_model_len %d: %.1fx",
+        logger.debug("KV cache: %d blocks, %d tokens; max concurrency at max_model_len %d: %.1fx",
                     capacity.num_blocks, tokens, config.max_model_len, tokens / config.max_model_len)
         return Scheduler(config, kv, self.clock, self.eos_token_ids)
 
@@ -60,7 +60,7 @@ class LLMEngine:
                     priority: str = "interactive", arrival_time: float | None = None) -> Request:
         """Queue a request. Bad input raises ValueError and leaves the engine unchanged."""
         params = params or SamplingParams()
-        self._validate(request_id, prompt_token_ids, params, priority)
+        self._validate(request_id, prompt_token_ids, params, tenant, priority)
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, tenant=tenant, priority=priority,
                           arrival_time=self.clock.now() if arrival_time is None else arrival_time,
@@ -69,7 +69,7 @@ class LLMEngine:
         return request
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                  priority: str) -> None:
+                  tenant: str, priority: str) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         if not isinstance(request_id, str) or not request_id:
@@ -77,6 +77,8 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is "
                              "still running")
+        if not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string, got {type(tenant).__name__}")
         if priority not in PRIORITIES:
             raise ValueError(f"unknown priority {priority!r}; use one of: {', '.join(PRIORITIES)}")
         if not prompt:

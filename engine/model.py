@@ -1,0 +1,320 @@
+"""A Llama-family transformer (Llama 2/3, Mistral, Qwen2) over one flat batch of tokens.
+
+Prefill chunks and decodes of many requests are concatenated into one `[num_tokens]` batch.
+New keys and values go into each request's KV blocks (`slot_mapping`); attention reads the
+cached context through the block table. Attention, cache writes and norms go through
+`kernels.get_ops(backend)`, so the same model runs the PyTorch reference or Triton kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.presets import ModelShape
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type and its parameters
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections (Qwen2: always)
+    mlp_bias: bool = False
+    architecture: str = "LlamaForCausalLM"
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Read a Hugging Face `config.json` mapping; unsupported models fail naming `source`."""
+        architecture = _architecture(hf, source)
+        try:
+            num_heads = int(hf["num_attention_heads"])
+            hidden_size = int(hf["hidden_size"])
+            config = cls(
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden_size,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
+                max_position=int(hf.get("max_position_embeddings", 4096)),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=_rope_theta(hf),
+                rope_scaling=_rope_scaling(hf, source),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
+                mlp_bias=bool(hf.get("mlp_bias", False)),
+                architecture=architecture,
+            )
+        except KeyError as missing:
+            raise ValueError(f"{source}: missing required field {missing}") from None
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+        if config.num_heads % config.num_kv_heads:
+            raise ValueError(f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({config.num_kv_heads})")
+        return config
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape) -> ModelConfig:
+        return cls(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                   intermediate_size=shape.intermediate_size, num_layers=shape.num_layers,
+                   num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                   head_dim=shape.head_dim, max_position=shape.max_position,
+                   rope_theta=shape.rope_theta, tie_word_embeddings=shape.tie_word_embeddings)
+
+
+def _architecture(hf: dict[str, Any], source: str) -> str:
+    names = hf.get("architectures") or []
+    if not names:
+        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                   "qwen2": "Qwen2ForCausalLM"}
+        if hf.get("model_type") in by_type:
+            return by_type[hf["model_type"]]
+        raise ValueError(f"{source}: no 'architectures' entry (and model_type "
+                         f"{hf.get('model_type')!r} is unknown); supported: {', '.join(ARCHITECTURES)}")
+    if names[0] not in ARCHITECTURES:
+        raise ValueError(f"{source}: architecture {names[0]!r} is not supported; "
+                         f"supported: {', '.join(ARCHITECTURES)}")
+    return str(names[0])
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _rope_scaling(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints `rope_scaling` (type or rope_type)
+    scaling = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    scaling.pop("rope_theta", None)
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported; "
+                         f"supported: {', '.join(ROPE_TYPES)}")
+    return {"rope_type": rope_type, **scaling} if rope_type != "default" else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling.get("rope_type") == "linear":
+        return (inv_freq / float(scaling["factor"])).float()
+    if scaling.get("rope_type") == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling).float()
+    return inv_freq.float()
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, a smooth band between."""
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(config: ModelConfig, max_position: int, device: torch.device) -> torch.Tensor:
+    """`[max_position, head_dim]`: cos in the first half of the last axis, sin in the second."""
+    inv_freq = rope_inv_freq(config).to(device)
+    positions = torch.arange(max_position, dtype=torch.float32, device=device)
+    freqs = torch.outer(positions, inv_freq)  # [max_position, head_dim // 2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim // 2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch metadata and KV cache views
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the flat batch sits: built once per step by the runner."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    decode_only: bool  # every sequence runs exactly one token
+
+
+@dataclass
+class LayerKV:
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None = None  # int8 cache: [num_blocks, block_size, num_kv_heads]
+    v_scale: torch.Tensor | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Any) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
+        self.ops.store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
+        if meta.decode_only:
+            out = self.ops.paged_decode_attention(
+                q, kv.k_cache, kv.v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                kv.k_scale, kv.v_scale)
+        else:
+            out = self.ops.paged_attention(
+                q, kv.k_cache, kv.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                self.scale, kv.k_scale, kv.v_scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [num_tokens, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
+                                   bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Any) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, ops)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        x, residual = self.ops.fused_add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        x = self.self_attn(x, cos, sin, kv, meta)
+        x, residual = self.ops.fused_add_rms_norm(x, residual, norm2.weight, norm2.eps)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ops = ops
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`
+    (see `PACKED_WEIGHTS`). The rotary table is a plain attribute, built by `init_rope` after
+    the weights are in place (it is not a checkpoint tensor)."""
+
+    def __init__(self, config: ModelConfig, ops: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, ops)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.ops = ops
+        self.rope_cache = torch.empty(0)
+
+    def init_rope(self, max_position: int) -> None:
+        device = self.model.embed_tokens.weight.device
+        self.rope_cache = rope_cos_sin(self.config, max_position, device)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[LayerKV]) -> torch.Tensor:
+        """input_ids: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        cos, sin = self.rope_cache[meta.positions].unsqueeze(1).chunk(2, dim=-1)
+        x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv, meta)
+        norm = self.model.norm
+        x, _ = self.ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
+        return self.lm_head(hidden).float()
+
+
+# HF checkpoint name suffix -> (fused parameter suffix, shard index) for the fused projections
+PACKED_WEIGHTS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def packed_shard_rows(config: ModelConfig, fused: str, shard: int) -> tuple[int, int]:
+    """(first row, number of rows) of one HF projection inside a fused weight."""
+    if fused == "gate_up_proj":
+        return shard * config.intermediate_size, config.intermediate_size
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    starts = (0, q_size, q_size + kv_size)
+    return starts[shard], (q_size, kv_size, kv_size)[shard]
