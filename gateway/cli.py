@@ -17,12 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tenants": ("tenants.cli", "create, list, update, delete, import, export tenants"),
     "keys": ("tenants.keys_cli", "create, list, revoke API keys"),
     "bench": ("tuner.bench_cli", "load test an OpenAI-compatible endpoint"),
-    "tune": ("tuner.tune_cli", "Optuna search over the engine's knobs"),
 }
-
-
-class CliError(Exception):
-    """A user mistake: printed as one line, exit status 2."""
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -46,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)
-    except (CliError, ValueError, FileNotFoundError, PermissionError) as exc:
+    except (ValueError, FileNotFoundError, PermissionError) as exc:
         print(f"fairgate {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
