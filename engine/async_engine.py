@@ -74,6 +74,7 @@ class _Add:
     tenant: str
     priority: str
     arrival_time: float
+    stream: asyncio.Queue[_Event]  # where its outputs go: never looked up by a reusable id
 
 
 @dataclass
@@ -97,10 +98,11 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
     stop: StopStringMatcher
+    stream: asyncio.Queue[_Event]
 
 
 _Command = _Add | _Abort | _Reconfigure
-_Event = RequestOutput | tuple[str, BaseException]
+_Event = RequestOutput | BaseException
 
 
 class AsyncEngine:
@@ -117,7 +119,7 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._parked: list[_Add] = []  # arrived during a reconfiguration's drain
         self._reconfig: _Reconfigure | None = None
-        self._outbox: list[_Event] = []
+        self._outbox: list[tuple[asyncio.Queue[_Event], _Event]] = []
         self._counter_base = {"num_preemptions": 0, "prefix_cache_queries": 0,
                               "prefix_cache_hits": 0}
         # event loop only
@@ -196,9 +198,9 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await queue.get()
-                if isinstance(item, tuple):
+                if isinstance(item, BaseException):
                     finished = True
-                    raise item[1]
+                    raise item
                 finished = item.finished
                 yield item
         finally:
@@ -218,7 +220,8 @@ class AsyncEngine:
         self._admit(len(prompt_token_ids))
         queue: asyncio.Queue[_Event] = asyncio.Queue()
         self._streams[request_id] = queue
-        self._submit(_Add(request_id, prompt_token_ids, params, tenant, priority, self.now()))
+        self._submit(_Add(request_id, prompt_token_ids, params, tenant, priority, self.now(),
+                          queue))
         return queue
 
     def _admit(self, num_tokens: int) -> None:
@@ -339,11 +342,11 @@ class AsyncEngine:
                 arrival_time=command.arrival_time)
         except ValueError as exc:
             self.stats.reject(self.now(), "invalid")
-            self._outbox.append((command.request_id, exc))
+            self._outbox.append((command.stream, exc))
             return
         self._tracked[command.request_id] = _Tracked(
             request, IncrementalDetokenizer(self._engine.tokenizer),
-            StopStringMatcher(command.params.stop))
+            StopStringMatcher(command.params.stop), command.stream)
 
     def _unpend(self, command: _Add) -> None:
         with self._cond:
@@ -361,9 +364,9 @@ class AsyncEngine:
 
     def _end_parked(self, command: _Add) -> None:
         self._unpend(command)
-        self._outbox.append(RequestOutput(
+        self._outbox.append((command.stream, RequestOutput(
             command.request_id, [], "", True, FinishReason.ABORT.value,
-            len(command.prompt_token_ids), 0, command.arrival_time))
+            len(command.prompt_token_ids), 0, command.arrival_time)))
 
     def _abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
         for request_id in list(self._tracked):
@@ -414,7 +417,7 @@ class AsyncEngine:
             if reason is None:
                 self._engine.finish(request_id, FinishReason.STOP)
             reason = FinishReason.STOP
-        self._outbox.append(_output(tracked.request, token_ids, text, reason))
+        self._outbox.append((tracked.stream, _output(tracked.request, token_ids, text, reason)))
         if reason is not None:
             del self._tracked[request_id]
             self._record(tracked.request, reason)
@@ -486,12 +489,11 @@ class AsyncEngine:
             logger.debug("event loop closed; dropped %d outputs", len(batch))
 
     # ---- event loop --------------------------------------------------------------------------
-    def _dispatch(self, batch: list[_Event]) -> None:
-        for event in batch:
-            request_id = event[0] if isinstance(event, tuple) else event.request_id
-            queue = self._streams.get(request_id)
-            if queue is not None:  # None: the client left and the abort is on its way
-                queue.put_nowait(event)
+    def _dispatch(self, batch: list[tuple[asyncio.Queue[_Event], _Event]]) -> None:
+        # Each event goes to the stream that submitted its request, even when that client
+        # left and a new stream reuses the request id (a left stream's queue is just dropped).
+        for queue, event in batch:
+            queue.put_nowait(event)
 
 
 def _output(request: Request, token_ids: list[int], text: str,

@@ -7,8 +7,9 @@ are computed once by the executor and passed on; they are never written back her
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 POLICIES = ("fcfs", "priority", "sjf", "prefix", "fair")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -68,11 +69,20 @@ class EngineConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
                      "max_num_partial_prefills", "max_waiting_requests", "max_waiting_tokens"):
             _check_positive_int(name, getattr(self, name))
-        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+        if not _is_int(self.long_prefill_token_threshold) or self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0 disables it), "
                              f"got {self.long_prefill_token_threshold!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError("enable_prefix_caching must be true or false, got "
+                             f"{self.enable_prefix_caching!r}")
+        for name in ("swap_space_gb", "sjf_aging_tokens_per_s"):
+            _check_finite(name, getattr(self, name))
+        if self.device_memory_gb is not None:
+            _check_finite("device_memory_gb", self.device_memory_gb)
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.num_kv_blocks is not None:
@@ -99,6 +109,10 @@ class EngineConfig:
         if self.preemption == "swap" and self.swap_space_gb == 0:
             raise ValueError("preemption='swap' needs swap_space_gb > 0 (host memory for swapped "
                              "blocks); set swap_space_gb or use preemption='recompute'")
+        if self.max_waiting_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_waiting_tokens ({self.max_waiting_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}): a full-length request could never be queued")
         if self.long_prefill_token_threshold > self.max_num_batched_tokens:
             raise ValueError(
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be <= "
@@ -137,6 +151,16 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {' | '.join(choices)}, got {value!r}")
 
 
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not _is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_finite(name: str, value: object) -> None:
+    # NaN passes every range check and infinity overflows block counts and sort keys
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")

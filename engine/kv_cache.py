@@ -146,6 +146,21 @@ class KVCacheManager:
         return self._new_blocks_needed(request, num_new_tokens, cached_blocks) <= self._available(
             cached_blocks)
 
+    def shortfall(self, request: Request, num_new_tokens: int,
+                  cached_blocks: list[int] | None = None) -> int:
+        """Blocks missing for `allocate` to succeed (0 when it would)."""
+        needed = self._new_blocks_needed(request, num_new_tokens, cached_blocks)
+        return max(0, needed - self._available(cached_blocks))
+
+    def exclusive_blocks(self, requests: list[Request]) -> int:
+        """Blocks that freeing these requests would return to the pool (shared prefix blocks
+        held by anyone else stay in use)."""
+        refs: dict[int, int] = {}
+        for request in requests:
+            for block in request.block_ids:
+                refs[block] = refs.get(block, 0) + 1
+        return sum(1 for block, n in refs.items() if self.pool.ref_counts[block] == n)
+
     def allocate(self, request: Request, num_new_tokens: int,
                  cached_blocks: list[int] | None = None) -> bool:
         """Make room for `num_new_tokens` more computed tokens, first adopting `cached_blocks`

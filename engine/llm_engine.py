@@ -11,6 +11,7 @@ from engine.clock import Clock, RealClock, VirtualClock
 from engine.config import EngineConfig
 from engine.executor import Executor, KVCapacity, make_executor
 from engine.kv_cache import KVCacheManager
+from engine.policies import FairShareQueue
 from engine.request import PRIORITIES, FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler
 
@@ -37,6 +38,7 @@ class LLMEngine:
         self.tokenizer = self.executor.tokenizer
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(self.executor, "eos_token_ids", ()))
         self._seq = itertools.count()
+        self.tenant_weights: dict[str, float] = {}
         self.num_steps = 0
         self.scheduler = self._build_scheduler(config)
 
@@ -107,11 +109,16 @@ class LLMEngine:
 
     def set_tenant_weights(self, weights: dict[str, float]) -> None:
         """Fair-share weights for the `fair` policy (default weight 1)."""
-        if any(w <= 0 for w in weights.values()):
-            raise ValueError("tenant weights must be > 0")
+        if any(not isinstance(w, (int, float)) or not 0 < w < float("inf")
+               for w in weights.values()):
+            raise ValueError("tenant weights must be finite numbers > 0")
+        self.tenant_weights.update(weights)
+        self._apply_tenant_weights()
+
+    def _apply_tenant_weights(self) -> None:
         queue = self.scheduler.waiting
-        if hasattr(queue, "weights"):
-            queue.weights.update(weights)
+        if isinstance(queue, FairShareQueue):
+            queue.weights.update(self.tenant_weights)
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -152,6 +159,7 @@ class LLMEngine:
         self.check_reconfigurable(config)
         self.scheduler = self._build_scheduler(config)
         self.config = config
+        self._apply_tenant_weights()  # weights outlive the scheduler they were given to
 
     def check_reconfigurable(self, config: EngineConfig) -> None:
         """ValueError if `config` changes a knob that needs a restart (weights, device, clock);

@@ -142,8 +142,10 @@ class FairShareQueue(WaitingQueue):
 
     def activate(self, tenant: str, active_tenants: Collection[str]) -> None:
         others = [self.counters.get(t, 0.0) for t in active_tenants if t != tenant]
-        if others:
-            self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))
+        # With nobody active, start where service left off: below the counters of tenants
+        # served earlier, the newcomer would take all service when they come back.
+        floor = min(others) if others else max(self.counters.values(), default=0.0)
+        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
 
     def charge(self, request: Request, num_tokens: int) -> None:
         weight = self.weights.get(request.tenant, 1.0)

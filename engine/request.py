@@ -45,7 +45,7 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None:
-            _check_int("seed", self.seed, low=-(2**63))
+            _check_int("seed", self.seed, low=-(2**63), high=2**63 - 1)  # an int64 tensor
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=20)
         for token_id in self.stop_token_ids:

@@ -9,7 +9,7 @@ from engine.clock import Clock
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.policies import make_waiting_queue
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import PRIORITIES, FinishReason, Request, RequestStatus
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting = make_waiting_queue(config, self._cached_prefix_tokens)
         self.running: dict[str, Request] = {}  # admission order
-        self.swapped: dict[str, Request] = {}  # swap-out order
+        self.swapped: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.live_per_tenant: dict[str, int] = {}
         self.num_preemptions = 0
@@ -82,8 +82,9 @@ class Scheduler:
         self._schedule_running(step)
         if not step.plan.preempted:
             self._schedule_swapped(step)
-        if not step.plan.preempted and not self.swapped:
-            self._schedule_waiting(step)
+            # swapped work goes first: only waiting work that outranks all of it may pass
+            self._schedule_waiting(step, outrank=min(
+                (r.priority_rank for r in self.swapped.values()), default=len(PRIORITIES)))
         return step.plan
 
     def _schedule_running(self, step: _StepBuilder) -> None:
@@ -116,7 +117,9 @@ class Scheduler:
         return max(candidates, key=lambda r: (r.priority_rank, r.arrival_time, r.seq))
 
     def _schedule_swapped(self, step: _StepBuilder) -> None:
-        for request in list(self.swapped.values()):
+        # the reverse of the victim order: interactive work first, then the earliest arrival
+        for request in sorted(self.swapped.values(),
+                              key=lambda r: (r.priority_rank, r.arrival_time, r.seq)):
             if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             num_tokens = self._chunk(request, step.budget)
@@ -129,11 +132,15 @@ class Scheduler:
             self._start_running(request)
             step.add(request, num_tokens)
 
-    def _schedule_waiting(self, step: _StepBuilder) -> None:
+    def _schedule_waiting(self, step: _StepBuilder, outrank: int) -> None:
+        """Admit waiting requests in policy order; only those ranked below `outrank` (a
+        priority rank) may pass a request that could not get in."""
         partial = sum(1 for r in self.running.values() if r.is_prefill and not step.completes(r))
         for request in self.waiting.ordered(self.clock.now()):
-            if step.budget == 0:
+            if step.budget == 0 or outrank == 0:
                 break
+            if request.priority_rank >= outrank:
+                continue
             cached = self.kv.cached_prefix(request)
             remaining = request.num_remaining_tokens - len(cached) * self.kv.block_size
             num_tokens = self._chunk_tokens(remaining, step.budget)
@@ -141,7 +148,10 @@ class Scheduler:
             if is_partial and partial >= self.config.max_num_partial_prefills:
                 continue  # one partial prefill too many: let requests that finish their prompt by
             if not self._make_room(request, num_tokens, cached, step):
-                break  # head of line: smaller requests behind must not starve a large one
+                # head of line: smaller requests behind must not starve a large one, but
+                # interactive work behind blocked batch work may still preempt running batch
+                outrank = request.priority_rank
+                continue
             self.waiting.remove(request)
             self.kv.note_admission(request, len(cached))
             partial += is_partial
@@ -157,6 +167,11 @@ class Scheduler:
             return False
         if self.kv.allocate(request, num_tokens, cached):
             return True
+        # Preempt only when the batch work's own blocks can cover the shortfall: otherwise the
+        # victims would lose their progress and the request would still not fit.
+        batch = [r for r in self.running.values() if r.priority == "batch"]
+        if self.kv.exclusive_blocks(batch) < self.kv.shortfall(request, num_tokens, cached):
+            return False
         return self._evict_batch_for(
             request, step, lambda: self.kv.can_allocate(request, num_tokens, cached)
         ) and self.kv.allocate(request, num_tokens, cached)

@@ -101,3 +101,8 @@ def test_stop_token_ids_and_min_tokens() -> None:
         outputs += eng.step().outputs.get("probe", [])
     assert len(outputs) >= 3
     assert eng.scheduler.kv.num_free_blocks == 64
+
+
+def test_waiting_token_bound_must_hold_one_full_request() -> None:
+    with pytest.raises(ValueError, match=r"max_waiting_tokens \(100\) must be >= max_model_len"):
+        EngineConfig(max_waiting_tokens=100, max_model_len=2048)

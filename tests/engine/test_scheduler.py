@@ -181,3 +181,26 @@ def test_recompute_preemption_reproduces_the_same_tokens() -> None:
     tight, some = run(8)
     assert none == 0 and some > 0
     assert tight == roomy
+
+
+def test_interactive_request_does_not_preempt_batch_work_that_cannot_make_room() -> None:
+    # 8 blocks; an interactive request already holds 6, a batch request 2. A new interactive
+    # request needing 3 blocks cannot fit even if the batch request goes: leave it running.
+    engine = make_engine(num_kv_blocks=8, block_size=16, max_model_len=128,
+                         max_num_batched_tokens=256, enable_prefix_caching=False)
+    engine.add_request("i0", [1] * 90, SamplingParams(max_tokens=2), priority="interactive")
+    engine.add_request("b0", [2] * 20, SamplingParams(max_tokens=30), priority="batch")
+    engine.step()
+    engine.add_request("i1", [3] * 40, SamplingParams(max_tokens=2), priority="interactive")
+    out = engine.step()
+    assert out.preempted == [] and "i1" not in out.scheduled
+    assert "b0" in out.scheduled
+
+
+def test_fair_share_weights_survive_reconfigure() -> None:
+    engine = make_engine(policy="fair")
+    engine.set_tenant_weights({"a": 3.0})
+    engine.reconfigure(engine.config.replace(max_num_seqs=16))
+    assert engine.scheduler.waiting.weights == {"a": 3.0}  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="finite numbers > 0"):
+        engine.set_tenant_weights({"b": float("inf")})

@@ -221,11 +221,14 @@ async def test_full_queue_is_503_with_retry_after(aiohttp_client: MakeClient) ->
                                   max_num_batched_tokens=1024))
     client = await aiohttp_client(make_app(engine))
     body = {"prompt": "x", "max_tokens": 200}
-    busy = [asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(2)]
-    for _ in range(200):  # one running, one waiting
-        if engine.load()["waiting"] >= 1 and engine.load()["running"] == 1:
-            break
-        await asyncio.sleep(0.005)
+    busy = []
+    for _ in range(2):  # one running, then one waiting (each in before the next is sent)
+        busy.append(asyncio.ensure_future(client.post("/v1/completions", json=body)))
+        for _ in range(400):
+            load = engine.load()
+            if load["running"] == 1 and load["waiting"] == len(busy) - 1:
+                break
+            await asyncio.sleep(0.005)
     resp = await client.post("/v1/completions", json=body)
     assert resp.status == 503 and int(resp.headers["Retry-After"]) >= 1
     assert (await resp.json())["error"]["code"] == "engine_overloaded"
