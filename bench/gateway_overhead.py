@@ -1,0 +1,218 @@
+"""What does the gateway add? The same load against an engine server directly and through
+`fairgate serve` in front of it.
+
+The engine is `fairgate engine` on the simulated executor with the virtual clock (tokens are
+instant), so every millisecond measured is HTTP, JSON, admission, queueing and proxying. Three
+processes share this machine's cores: the load generator (this one), the gateway, the engine.
+
+    .venv/bin/python bench/gateway_overhead.py [--rate 200] [--duration 10] [--requests 6000]
+
+Goals: added latency p50 <= 1 ms and p99 <= 5 ms at 200 requests/s; >= 1,000 non-streaming
+requests/s through the gateway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tuner.loadgen import RunOptions, Target, run_workload  # noqa: E402
+from tuner.report import Report  # noqa: E402
+from tuner.traces import TraceRequest  # noqa: E402
+
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not become ready")
+
+
+def start_engine(port: int, knobs: dict[str, Any]) -> subprocess.Popen[Any]:
+    sets = [a for k, v in knobs.items() for a in ("--set", f"{k}={v}")]
+    proc = subprocess.Popen([PYTHON, "-m", "gateway.cli", "engine", "--port", str(port),
+                             "--log-level", "warning", *sets], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_healthy(f"http://127.0.0.1:{port}", proc)
+    return proc
+
+
+def start_gateway(config: dict[str, Any], workdir: Path,
+                  tenants: dict[str, dict[str, Any]] | None = None
+                  ) -> tuple[subprocess.Popen[Any], str, dict[str, str]]:
+    """`fairgate serve` with `config` (a fairgate.yaml mapping); returns (process, url, keys).
+    Tenants are created in its database first; without any, the demo tenant's key is used."""
+    port = free_port()
+    db = f"sqlite:///{workdir / f'gateway-{port}.db'}"
+    keys = asyncio.run(_create_tenants(db, tenants)) if tenants else {}
+    config = {**config, "database": db}
+    config["gateway"] = {**config.get("gateway", {}), "port": port, "demo_tenant": not tenants}
+    path = workdir / f"fairgate-{port}.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    proc = subprocess.Popen([PYTHON, "-m", "gateway.cli", "serve", "-c", str(path),
+                             "--log-level", "WARNING"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    if not tenants:
+        while not (line := proc.stdout.readline()).strip().startswith("fg-"):
+            if not line:
+                raise RuntimeError("fairgate serve exited before printing the demo key")
+        keys["demo"] = line.strip()
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    return proc, url, keys
+
+
+async def _create_tenants(db: str, tenants: dict[str, dict[str, Any]]) -> dict[str, str]:
+    from tenants import TenantLimits, TenantStore
+
+    store = TenantStore(db)
+    await store.init()
+    keys = {}
+    for name, spec in tenants.items():
+        spec = dict(spec)
+        await store.create_tenant(name, limits=TenantLimits(**spec.pop("limits", {})), **spec)
+        keys[name] = (await store.create_key(name))[1]
+    await store.close()
+    return keys
+
+
+def stop(proc: subprocess.Popen[Any]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def poisson(rate: float, duration: float, prompt: int, output: int, seed: int = 0,
+            **fields: Any) -> list[TraceRequest]:
+    import random
+
+    rng, t, out = random.Random(seed), 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            return out
+        out.append(TraceRequest(arrival=t, prompt_tokens=prompt, output_tokens=output, **fields))
+
+
+MODEL = {"engine": "random:tiny", "fake": "fake-model"}
+
+
+async def measure(url: str, key: str | None, requests: list[TraceRequest], model: str,
+                  **options: Any) -> Report:
+    return await run_workload(requests, Target(url, api_key=key, model=model),
+                              options=RunOptions(**options))
+
+
+def ms(x: float | None) -> str:
+    return "   n/a" if x is None else f"{x:6.2f}"
+
+
+def latency_row(label: str, report: Report) -> str:
+    s = report.total
+    return (f"{label:<22} ok {s.completed:>5}  fail {sum(s.failed.values()):>4}  "
+            f"TTFT p50 {ms(s.ttft['median_ms'])} p99 {ms(s.ttft['p99_ms'])} ms   "
+            f"e2e p50 {ms(s.e2e['median_ms'])} p99 {ms(s.e2e['p99_ms'])} ms")
+
+
+async def run(args: argparse.Namespace, engine_url: str, gw_url: str, key: str) -> int:
+    model = MODEL[args.backend]
+    load = poisson(args.rate, args.duration, args.prompt_tokens, args.output_tokens)
+    await measure(gw_url, key, load[:200], model)  # warm both paths (connections, caches)
+    direct = await measure(engine_url, None, load, model)
+    via = await measure(gw_url, key, load, model)
+    print(f"\n== latency at {args.rate:g} requests/s, {len(load)} streamed requests, "
+          f"{args.prompt_tokens} -> {args.output_tokens} tokens ==")
+    print(latency_row("engine directly", direct))
+    print(latency_row("through the gateway", via))
+    added_p50 = via.total.e2e["median_ms"] - direct.total.e2e["median_ms"]
+    added_p99 = via.total.e2e["p99_ms"] - direct.total.e2e["p99_ms"]
+    print(f"added e2e latency: p50 {added_p50:+.2f} ms (goal <= 1)   "
+          f"p99 {added_p99:+.2f} ms (goal <= 5)")
+    burst = [TraceRequest(arrival=0.0, prompt_tokens=args.prompt_tokens,
+                          output_tokens=args.output_tokens) for _ in range(args.requests)]
+    # The fake server answers every request as one SSE body; the engine can answer plain JSON.
+    streaming = args.backend == "fake"
+    print(f"\n== throughput: {args.requests} {'streamed' if streaming else 'non-streaming'} "
+          f"requests, {args.concurrency} concurrent ==")
+    rates = {}
+    for label, url, k in (("engine directly", engine_url, None), ("through gateway", gw_url, key)):
+        report = await measure(url, k, burst, model, max_concurrency=args.concurrency,
+                               extra_body={"stream": streaming})
+        rates[label] = report.total.request_throughput
+        print(f"{label:<22} {rates[label]:8.0f} requests/s   "
+              f"(failed {sum(report.total.failed.values())})")
+    print(f"gateway / direct: {rates['through gateway'] / rates['engine directly']:.2f}   "
+          f"goal >= 1,000 requests/s through the gateway")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rate", type=float, default=200.0)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--requests", type=int, default=6000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=8)
+    parser.add_argument("--backend", choices=("engine", "fake"), default="engine",
+                        help="engine: `fairgate engine` on the sim executor (the goal's setup); "
+                        "fake: tuner.fake_server, nearly free, isolating the gateway's own cost")
+    args = parser.parse_args()
+    engine_port = free_port()
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    if args.backend == "engine":
+        knobs = {"executor": "sim", "max_num_seqs": 256, "max_num_batched_tokens": 16384,
+                 "max_model_len": 2048}
+        engine = start_engine(engine_port, knobs)
+        backend = {"url": engine_url}
+    else:
+        engine = subprocess.Popen([PYTHON, "-m", "tuner.fake_server", "--port", str(engine_port),
+                                   "--no-record"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        time.sleep(2)
+        backend = {"url": engine_url, "kind": "openai", "max_inflight": 512,
+                   "max_model_len": 4096}
+    with tempfile.TemporaryDirectory() as tmp:
+        gw, gw_url, keys = start_gateway({"gateway": {"backends": [backend]}}, Path(tmp))
+        try:
+            print(f"backend {engine_url} ({args.backend}, instant tokens); gateway {gw_url}; "
+                  f"{os.cpu_count()} CPUs")
+            return asyncio.run(run(args, engine_url, gw_url, keys["demo"]))
+        finally:
+            stop(gw)
+            stop(engine)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Admission: per-tenant requests/min and tokens/min, charged with an estimate, settled later.
+
+Each tenant has a sliding one-minute log of charges. A request is charged its *estimated* cost
+(prompt tokens + max_tokens, or the tenant's recent p90 output length) when it is admitted, so
+a burst cannot overshoot the limit the way count-after-the-fact limiters do; when it finishes
+the charge is settled to the actual tokens, and a request that never ran is refunded. When a
+request does not fit, Retry-After is the time until enough of the oldest charges leave the
+window for it to fit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tenants import TenantLimits
+
+PERIOD_S = 60.0
+
+
+class RateLimited(Exception):
+    """Over `reason` (requests_per_min | tokens_per_min); `retry_after` None: it never fits."""
+
+    def __init__(self, reason: str, retry_after: float | None, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False)
+class Charge:
+    """One request's entry in its tenant's window; settled in place."""
+
+    at: float
+    tokens: int
+    requests: int = 1
+    window: RateWindow | None = field(default=None, repr=False)
+
+
+class RateWindow:
+    """The charges of one tenant over the last `period` seconds, with running sums."""
+
+    def __init__(self, period: float = PERIOD_S) -> None:
+        self.period = period
+        self.charges: deque[Charge] = deque()
+        self.tokens = 0
+        self.requests = 0
+
+    def expire(self, now: float) -> None:
+        horizon = now - self.period
+        while self.charges and self.charges[0].at <= horizon:
+            old = self.charges.popleft()
+            self.tokens -= old.tokens
+            self.requests -= old.requests
+            old.window = None  # settling an expired charge must not touch the sums
+
+    def wait_for(self, now: float, excess: int, attr: str) -> float:
+        """Seconds until charges worth `excess` of `attr` have left the window."""
+        freed = 0
+        for charge in self.charges:
+            freed += getattr(charge, attr)
+            if freed >= excess:
+                return max(0.0, charge.at + self.period - now)
+        return self.period
+
+    def add(self, charge: Charge) -> None:
+        charge.window = self
+        self.charges.append(charge)
+        self.tokens += charge.tokens
+        self.requests += charge.requests
+
+    def adjust(self, charge: Charge, tokens: int, requests: int) -> None:
+        self.tokens += tokens - charge.tokens
+        self.requests += requests - charge.requests
+        charge.tokens, charge.requests = tokens, requests
+
+
+class RateLimiter:
+    """requests_per_min and tokens_per_min for every tenant."""
+
+    def __init__(self, period_s: float = PERIOD_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.period = period_s
+        self.clock = clock
+        self._windows: dict[str, RateWindow] = {}
+
+    def admit(self, tenant: str, limits: TenantLimits, tokens: int) -> Charge:
+        """Charge `tokens` and one request, or raise RateLimited without charging anything."""
+        now = self.clock()
+        window = self._windows.get(tenant)
+        if window is None:
+            window = self._windows[tenant] = RateWindow(self.period)
+        window.expire(now)
+        rpm, tpm = limits.requests_per_min, limits.tokens_per_min
+        if tpm is not None and tokens > tpm:
+            raise RateLimited("tokens_per_min", None,
+                              f"this request's estimated cost ({tokens} tokens) exceeds your "
+                              f"tokens_per_min limit ({tpm}) by itself; lower max_tokens or "
+                              "shorten the prompt")
+        if rpm is not None and window.requests + 1 > rpm:
+            wait = window.wait_for(now, window.requests + 1 - rpm, "requests")
+            raise RateLimited("requests_per_min", wait,
+                              f"rate limit reached: {rpm} requests per minute")
+        if tpm is not None and window.tokens + tokens > tpm:
+            wait = window.wait_for(now, window.tokens + tokens - tpm, "tokens")
+            raise RateLimited("tokens_per_min", wait,
+                              f"rate limit reached: {tpm} tokens per minute (this request is "
+                              f"estimated at {tokens} tokens)")
+        charge = Charge(at=now, tokens=tokens)
+        window.add(charge)
+        return charge
+
+    def settle(self, charge: Charge, actual_tokens: int) -> None:
+        """Replace the estimate with what the request really used."""
+        if charge.window is not None:
+            charge.window.adjust(charge, actual_tokens, charge.requests)
+
+    def refund(self, charge: Charge) -> None:
+        """The request never ran (queue timeout, disconnect while queued): charge nothing."""
+        if charge.window is not None:
+            charge.window.adjust(charge, 0, 0)
+
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """(requests, tokens) in the tenant's current window."""
+        window = self._windows.get(tenant)
+        if window is None:
+            return 0, 0
+        window.expire(self.clock())
+        return window.requests, window.tokens
+
+
+class OutputEstimator:
+    """Recent output lengths per tenant, for cost estimates of requests without max_tokens.
+
+    Kept in memory (the hot path must not query the database); seeded from the usage ledger the
+    first time a tenant is seen, so a restart does not forget what a tenant usually asks for.
+    """
+
+    def __init__(self, samples: int = 1000, percentile: float = 90.0) -> None:
+        self.samples = samples
+        self.percentile = percentile
+        self._recent: dict[str, deque[int]] = {}
+        self._cached: dict[str, int] = {}
+        self._seeded: set[str] = set()
+
+    def needs_seed(self, tenant: str) -> bool:
+        return tenant not in self._seeded
+
+    def seed(self, tenant: str, value: float | None) -> None:
+        self._seeded.add(tenant)
+        if value is not None and tenant not in self._recent:
+            self._recent[tenant] = deque([round(value)], maxlen=self.samples)
+            self._cached[tenant] = round(value)
+
+    def observe(self, tenant: str, output_tokens: int) -> None:
+        recent = self._recent.setdefault(tenant, deque(maxlen=self.samples))
+        recent.append(output_tokens)
+        # Re-sort only now and then: a p90 that lags by a few requests is as good an estimate.
+        if len(recent) < 32 or len(recent) % 16 == 0:
+            self._cached[tenant] = _percentile(recent, self.percentile)
+
+    def estimate(self, tenant: str) -> int | None:
+        return self._cached.get(tenant)
+
+
+def _percentile(values: deque[int], p: float) -> int:
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, -(-len(ordered) * p // 100) - 1))  # nearest rank
+    return ordered[int(rank)]
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    prompt_tokens: int
+    output_tokens: int  # estimated: max_tokens, else the p90, capped by the context left
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+class ContextLengthExceeded(ValueError):
+    pass
+
+
+def estimate_cost(prompt_tokens: int, max_tokens: int | None, recent_p90: int | None,
+                  default_output: int, max_model_len: int) -> CostEstimate:
+    """The admission cost of a request; ContextLengthExceeded when it cannot fit at all."""
+    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")
+    if prompt_tokens >= max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_tokens} tokens, leaving no room for a completion.")
+    if max_tokens is not None:
+        return CostEstimate(prompt_tokens, max_tokens)
+    guess = recent_p90 if recent_p90 is not None else default_output
+    return CostEstimate(prompt_tokens, max(1, min(guess, max_model_len - prompt_tokens)))
+
+
+__all__ = ["Charge", "ContextLengthExceeded", "CostEstimate", "OutputEstimator", "RateLimited",
+           "RateLimiter", "estimate_cost"]

@@ -1,0 +1,152 @@
+"""`make_app(config)`: the gateway as an aiohttp application.
+
+Everything is built here, synchronously; cleanup contexts start and stop what needs the event
+loop (database, usage ledger, engine or remote pollers, the dispatch ticker) in that order and
+stop them in reverse, so requests in flight at shutdown still find their backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway import admin, proxy
+from gateway.auth import Authenticator
+from gateway.backends import Backend, BackendPool, EmbeddedBackend, RemoteBackend
+from gateway.config import FairgateConfig
+from gateway.dispatch import tick
+from gateway.errors import ApiError
+from gateway.metrics import GatewayMetrics
+from gateway.service import Gateway
+from gateway.state import AUTH, CONFIG, GATEWAY, METRICS, SETTINGS, STORE
+from tenants import TenantStore, UsageLedger
+
+log = logging.getLogger("fairgate.gateway")
+SECRET_ENV = "FAIRGATE_KEY_SECRET"  # the same variable the tenants CLI reads
+DEMO_TENANT = "demo"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def make_app(config: FairgateConfig | None = None, *, backends: list[Backend] | None = None,
+             store: TenantStore | None = None,
+             on_demo_key: Callable[[str], None] | None = None) -> web.Application:
+    """The gateway. `backends` replaces the configured ones (tests); `on_demo_key` receives the
+    demo tenant's key when one is created at first start (`fairgate serve` prints it)."""
+    config = config or FairgateConfig()
+    settings = config.gateway
+    app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
+    store = store or TenantStore(config.database, secret=os.environ.get(SECRET_ENV) or None)
+    metrics = GatewayMetrics()
+    gw = Gateway(settings, BackendPool(backends or _backends(config, lambda: gw.dispatcher.pump())),
+                 UsageLedger(store), metrics)
+    app[CONFIG], app[SETTINGS], app[STORE], app[METRICS] = config, settings, store, metrics
+    app[GATEWAY] = gw
+    app[AUTH] = Authenticator(store, settings.admin_key)
+    app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker])
+    app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_post("/v1/chat/completions", proxy.chat_completions)
+    admin.add_routes(app)
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
+def _backends(config: FairgateConfig, on_change: Callable[[], None]) -> list[Backend]:
+    settings = config.gateway
+    if not settings.backends:
+        from engine.async_engine import AsyncEngine  # torch is imported only when embedded
+
+        return [EmbeddedBackend(AsyncEngine(config.engine), settings.backend_waiting_slack)]
+    return [RemoteBackend(b, default_max_model_len=config.engine.max_model_len,
+                          tokenizer_file=settings.tokenizer,
+                          poll_interval=settings.backend_poll_interval_s,
+                          retry_after=settings.backend_retry_after_s,
+                          slack=settings.backend_waiting_slack, on_change=on_change)
+            for b in settings.backends]
+
+
+def _database(on_demo_key: Callable[[str], None] | None) -> Callable[
+        [web.Application], contextlib.AbstractAsyncContextManager[None]]:
+    @contextlib.asynccontextmanager
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        store, ledger = app[STORE], app[GATEWAY].ledger
+        assert ledger is not None
+        await store.init()
+        if app[SETTINGS].demo_tenant and await store.count_tenants() == 0:
+            await store.create_tenant(DEMO_TENANT)
+            _, key = await store.create_key(DEMO_TENANT)
+            if on_demo_key is not None:
+                on_demo_key(key)
+        await ledger.start()
+        try:
+            yield
+        finally:
+            try:
+                await ledger.close()
+            finally:
+                await store.close()
+
+    return ctx
+
+
+async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
+    pool = app[GATEWAY].pool
+    await pool.start()
+    try:
+        yield
+    finally:
+        await pool.close()
+
+
+async def _ticker(app: web.Application) -> AsyncIterator[None]:
+    gw = app[GATEWAY]
+    task = asyncio.create_task(tick(gw.dispatcher, gw.config.backend_poll_interval_s))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error in OpenAI's shape; an unexpected one is logged (without the body) as 500."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPRequestEntityTooLarge:
+        return ApiError(413, "the request body is too large", code="request_too_large").response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"),
+                        ).response()
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        return ApiError(500, "internal gateway error", code="internal_error").response()
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    ready = request.app[GATEWAY].pool.healthy
+    return web.json_response({"ready": ready}, status=200 if ready else 503)

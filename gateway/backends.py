@@ -1,0 +1,437 @@
+"""Where dispatched requests run: the embedded AsyncEngine or remote engines over HTTP.
+
+A backend answers three questions for the dispatcher and the proxy: how many tokens is this
+prompt (`count_prompt`), is there room for one more request (`has_room`, from the engine's load
+so that queueing happens in the gateway, where fairness applies), and run this job (`stream` /
+`complete`). Both kinds emit OpenAI bytes; the proxy never reformats them.
+
+Token counting for remote backends: a fairgate engine serving a `random:*` model uses the
+byte-level tokenizer (exact); `gateway.tokenizer` names a tokenizer.json for real checkpoints
+(exact); otherwise an estimate of one token per 4 characters of UTF-8.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+from engine.request import SamplingParams
+from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from gateway.config import BackendConfig
+from gateway.errors import ApiError
+from gateway.openai_format import DONE, ParsedRequest, ResponseWriter, sse
+
+log = logging.getLogger("fairgate.gateway")
+KV_HIGH_WATER = 0.95  # above this KV usage the engine is about to preempt; hold new work back
+
+
+class BackendUnavailable(Exception):
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass
+class Job:
+    request_id: str
+    req: ParsedRequest
+    tenant: str
+    priority: str
+    prompt_tokens: int  # as counted at admission (remote: possibly an estimate)
+    max_tokens: int  # resolved: the request's own, else what the context has left
+
+
+@dataclass
+class Outcome:
+    """What the proxy learns while a job runs (for settling, usage and metrics)."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    usage_reported: bool = False  # True once the backend said the exact counts
+    chunk_times: list[float] = field(default_factory=list)  # when each token-bearing event left
+
+
+class Backend(Protocol):
+    name: str
+    model_name: str
+    max_model_len: int
+    inflight: int
+    healthy: bool
+
+    def capacity(self) -> int: ...
+    def has_room(self) -> bool: ...
+    def count_prompt(self, req: ParsedRequest) -> int: ...
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]: ...
+    async def complete(self, job: Job, outcome: Outcome) -> bytes: ...
+
+
+def room_from_load(load: dict[str, Any], inflight: int, slack: int) -> bool:
+    """Dispatch while fewer than max_num_seqs (+ `slack`, so the next step never waits for
+    the gateway) of ours are in flight and the KV cache is not about to preempt. The engine's
+    own `waiting` count is not used: between steps it holds our just-sent requests, and a
+    remote /load is up to one poll old, so it would hold back work the engine has room for."""
+    if inflight >= int(load.get("max_num_seqs", 64)) + slack:
+        return False
+    return inflight == 0 or float(load.get("kv_usage", 0.0)) < KV_HIGH_WATER
+
+
+def sampling_params(job: Job) -> SamplingParams:
+    return SamplingParams(max_tokens=job.max_tokens, **job.req.sampling)
+
+
+class EmbeddedBackend:
+    """An AsyncEngine in this process."""
+
+    def __init__(self, engine: Any, slack: int = 4, name: str = "embedded") -> None:
+        self.engine = engine
+        self.name = name
+        self.slack = slack
+        self.model_name = str(getattr(engine, "model_name", engine.config.model))
+        self.max_model_len = int(engine.config.max_model_len)
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.inflight = 0
+        self.healthy = True
+
+    def capacity(self) -> int:
+        return int(self.engine.config.max_num_seqs) + self.slack
+
+    def has_room(self) -> bool:
+        return room_from_load(self.engine.load(), self.inflight, self.slack)
+
+    def count_prompt(self, req: ParsedRequest) -> int:
+        return len(self.prompt_ids(req))
+
+    def prompt_ids(self, req: ParsedRequest) -> list[int]:
+        if isinstance(req.prompt, list):
+            return req.prompt
+        return self.tokenizer.encode(req.prompt)
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def close(self) -> None:
+        await self.engine.shutdown()
+
+    async def _outputs(self, job: Job) -> AsyncGenerator[Any, None]:
+        from engine.async_engine import EngineOverloaded
+
+        try:
+            gen = self.engine.generate(job.request_id, self.prompt_ids(job.req),
+                                       sampling_params(job), tenant=job.tenant,
+                                       priority=job.priority)
+            first = await anext(gen)
+        except EngineOverloaded as exc:
+            raise BackendUnavailable(str(exc), float(exc.retry_after)) from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc), code="invalid_value") from None
+        except StopAsyncIteration:
+            return
+        except RuntimeError as exc:  # EngineStopped: shutting down or crashed
+            raise BackendUnavailable(f"engine unavailable: {exc}", 5.0) from None
+        try:
+            yield first
+            async for out in gen:
+                yield out
+        except (ValueError, RuntimeError) as exc:  # the engine failed this request mid-way
+            raise ApiError(502, f"engine error: {exc}", code="engine_error") from None
+        finally:
+            await gen.aclose()  # early close aborts the engine request
+
+    async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
+        writer = ResponseWriter(job.request_id, job.req.endpoint, job.req.model)
+        async for out in self._outputs(job):
+            _note(outcome, out)
+            if out.text or out.finished:
+                yield writer.chunk(out.text, outcome.finish_reason if out.finished else None)
+        if job.req.include_usage:
+            yield writer.usage_chunk(outcome.prompt_tokens, outcome.completion_tokens)
+        yield DONE
+
+    async def complete(self, job: Job, outcome: Outcome) -> bytes:
+        writer = ResponseWriter(job.request_id, job.req.endpoint, job.req.model)
+        parts = []
+        async for out in self._outputs(job):
+            _note(outcome, out)
+            parts.append(out.text)
+        body = writer.whole("".join(parts), outcome.finish_reason, outcome.prompt_tokens,
+                            outcome.completion_tokens)
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _note(outcome: Outcome, out: Any) -> None:
+    outcome.completion_tokens = int(out.num_output_tokens)
+    outcome.prompt_tokens = int(out.num_prompt_tokens)
+    outcome.usage_reported = True
+    if out.new_token_ids:
+        outcome.chunk_times.append(time.perf_counter())
+    if out.finished:
+        reason = out.finish_reason
+        outcome.finish_reason = str(getattr(reason, "value", reason) or "stop")
+
+
+class RemoteBackend:
+    """A `fairgate engine` server or any OpenAI-compatible server, over HTTP."""
+
+    def __init__(self, config: BackendConfig, *, default_max_model_len: int,
+                 tokenizer_file: str | None = None, poll_interval: float = 0.05,
+                 retry_after: float = 5.0, slack: int = 4,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.name = config.base_url
+        self.model_name = config.model or ""
+        self.max_model_len = config.max_model_len or default_max_model_len
+        self.inflight = 0
+        self.healthy = False
+        self.load: dict[str, Any] = {}
+        self.poll_interval = poll_interval
+        self.retry_after = retry_after
+        self.slack = slack
+        self.on_change = on_change
+        self.tokenizer: Tokenizer | None = HFTokenizer(tokenizer_file) if tokenizer_file else None
+        self._session: aiohttp.ClientSession | None = None
+        self._poller: asyncio.Task[None] | None = None
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._headers = {"Content-Type": "application/json", **headers}
+
+    @property
+    def fairgate(self) -> bool:
+        return self.config.kind == "fairgate"
+
+    def capacity(self) -> int:
+        if self.fairgate and self.load:
+            return int(self.load.get("max_num_seqs", 64)) + self.slack
+        return self.config.max_inflight
+
+    def has_room(self) -> bool:
+        if not self.healthy:
+            return False
+        if self.fairgate:
+            return room_from_load(self.load, self.inflight, self.slack)
+        return self.inflight < self.config.max_inflight
+
+    def count_prompt(self, req: ParsedRequest) -> int:
+        if isinstance(req.prompt, list):
+            return len(req.prompt)
+        if self.tokenizer is not None:
+            return len(self.tokenizer.encode(req.prompt))
+        return len(req.prompt.encode()) // 4 + 1  # documented estimate: ~4 bytes per token
+
+    # ---- life cycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self._session = aiohttp.ClientSession(connector=connector,
+                                              cookie_jar=aiohttp.DummyCookieJar())
+        await self.refresh()
+        self._poller = asyncio.create_task(self._poll(), name=f"poll {self.name}")
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if self._session is not None:
+            await self._session.close()
+
+    async def refresh(self) -> None:
+        """Read /load (fairgate) or /v1/models (others); any failure marks the backend down."""
+        was = self.healthy
+        try:
+            if not self.model_name:
+                await self._discover_model()
+            if self.fairgate:
+                self.load = await self._get_json("/load")
+                self.max_model_len = int(self.config.max_model_len
+                                         or self.load.get("max_model_len", self.max_model_len))
+            elif not was:
+                await self._get_json("/v1/models")
+            self.healthy = True
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            if was:
+                log.warning("backend %s is down: %s", self.name, exc or type(exc).__name__)
+            self.healthy = False
+        if self.on_change is not None:
+            self.on_change()
+
+    async def _poll(self) -> None:
+        while True:
+            # A down backend is retried less often: it is a health check, not load tracking.
+            await asyncio.sleep(self.poll_interval if self.healthy else 1.0)
+            await self.refresh()
+
+    async def _get_json(self, path: str) -> dict[str, Any]:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        async with self._session.get(self.config.base_url + path, headers=self._headers,
+                                     timeout=timeout) as resp:
+            resp.raise_for_status()
+            data = await resp.json(content_type=None)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} did not return a JSON object")
+        return data
+
+    async def _discover_model(self) -> None:
+        data = await self._get_json("/v1/models")
+        models = data.get("data") or []
+        self.model_name = str(models[0]["id"]) if models else "default"
+        if self.tokenizer is None and self.model_name.startswith("random:"):
+            self.tokenizer = ByteTokenizer()
+
+    # ---- requests ---------------------------------------------------------------------------
+    def _body(self, job: Job, stream: bool) -> bytes:
+        body = dict(job.req.body)
+        body.update(model=self.model_name, stream=stream, max_tokens=job.max_tokens)
+        body.pop("max_completion_tokens", None)
+        if stream:  # always ask for usage: it settles the tenant's charge exactly
+            body["stream_options"] = {"include_usage": True}
+        if self.fairgate:
+            body.update(tenant=job.tenant, priority=job.priority)
+        else:
+            body.pop("priority", None)
+            body["cache_salt"] = job.tenant  # vLLM's per-tenant prefix-cache isolation
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @contextlib.asynccontextmanager
+    async def _post(self, job: Job, stream: bool) -> AsyncIterator[aiohttp.ClientResponse]:
+        assert self._session is not None
+        path = "/v1/chat/completions" if job.req.endpoint == "chat" else "/v1/completions"
+        try:
+            async with self._session.post(self.config.base_url + path,
+                                          data=self._body(job, stream),
+                                          headers=self._headers) as resp:
+                if resp.status >= 400:
+                    raise await _upstream_error(resp, self.retry_after)
+                yield resp
+        except (aiohttp.ClientConnectionError, OSError) as exc:
+            self.healthy = False
+            raise BackendUnavailable(f"engine backend {self.name} unreachable: "
+                                     f"{exc or type(exc).__name__}", self.retry_after) from None
+
+    async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
+        async with self._post(job, stream=True) as resp:
+            buffer = b""
+            async for data in resp.content.iter_any():
+                buffer += data
+                *events, buffer = buffer.split(b"\n\n")
+                out = b"".join(_pass_event(e, job, outcome) for e in events if e)
+                if out:
+                    yield out
+
+    async def complete(self, job: Job, outcome: Outcome) -> bytes:
+        async with self._post(job, stream=False) as resp:
+            raw = await resp.read()
+        try:
+            body = json.loads(raw)
+            usage = body.get("usage") or {}
+            outcome.prompt_tokens = int(usage.get("prompt_tokens", outcome.prompt_tokens))
+            outcome.completion_tokens = int(usage.get("completion_tokens", 0))
+            outcome.usage_reported = "completion_tokens" in usage
+            outcome.finish_reason = (body.get("choices") or [{}])[0].get("finish_reason")
+        except (ValueError, AttributeError, TypeError, IndexError):
+            raise ApiError(502, "the engine backend returned a malformed response",
+                           code="bad_gateway") from None
+        body["model"] = job.req.model
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _pass_event(event: bytes, job: Job, outcome: Outcome) -> bytes:
+    """One SSE event of the backend's stream: note tokens and usage, drop the usage event the
+    client did not ask for, pass the rest through byte for byte."""
+    if not event.startswith(b"data:"):
+        return b""  # comments and keep-alives
+    payload = event[5:].strip()
+    if payload == b"[DONE]":
+        return DONE
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        return b""
+    if not isinstance(obj, dict):
+        return b""
+    usage = obj.get("usage")
+    if usage:
+        outcome.prompt_tokens = int(usage.get("prompt_tokens", outcome.prompt_tokens))
+        outcome.completion_tokens = int(usage.get("completion_tokens", 0))
+        outcome.usage_reported = True
+    choices = obj.get("choices")
+    if "error" in obj:
+        return sse(obj)
+    if not choices:
+        return event + b"\n\n" if (usage and job.req.include_usage) else b""
+    outcome.chunk_times.append(time.perf_counter())
+    if not outcome.usage_reported:
+        outcome.completion_tokens += 1
+    reason = choices[0].get("finish_reason")
+    if reason:
+        outcome.finish_reason = reason
+    if usage and not job.req.include_usage:
+        obj.pop("usage")
+        return sse(obj)
+    return event + b"\n\n"
+
+
+async def _upstream_error(resp: aiohttp.ClientResponse, retry_after: float) -> Exception:
+    """An engine's error, kept in OpenAI's shape; overload becomes 503 with Retry-After."""
+    raw = await resp.read()
+    try:
+        err = json.loads(raw).get("error") or {}
+        message = str(err.get("message") or raw[:200].decode(errors="replace"))
+    except (ValueError, AttributeError):
+        err, message = {}, raw[:200].decode(errors="replace")
+    if resp.status in (429, 503):
+        header = resp.headers.get("Retry-After", "")
+        wait = float(header) if header.replace(".", "", 1).isdigit() else retry_after
+        return BackendUnavailable(f"engine backend overloaded: {message}", wait)
+    if resp.status >= 500:
+        return ApiError(502, f"engine backend error: {message}", code="bad_gateway")
+    return ApiError(resp.status, message, code=err.get("code"), param=err.get("param"))
+
+
+class BackendPool:
+    """All backends; dispatch goes to the one with most free room."""
+
+    def __init__(self, backends: list[Backend]) -> None:
+        if not backends:
+            raise ValueError("at least one backend is needed")
+        self.backends = backends
+
+    @property
+    def primary(self) -> Backend:
+        return self.backends[0]
+
+    @property
+    def healthy(self) -> bool:
+        return any(b.healthy for b in self.backends)
+
+    @property
+    def max_model_len(self) -> int:
+        return min(b.max_model_len for b in self.backends)
+
+    def model_names(self) -> list[str]:
+        return list(dict.fromkeys(b.model_name for b in self.backends if b.model_name))
+
+    def pick(self) -> Backend | None:
+        best: Backend | None = None
+        for b in self.backends:
+            if b.has_room() and (best is None or b.inflight / b.capacity()
+                                 < best.inflight / best.capacity()):
+                best = b
+        return best
+
+    async def start(self) -> None:
+        for b in self.backends:
+            await b.start()
+
+    async def close(self) -> None:
+        for b in self.backends:
+            await b.close()

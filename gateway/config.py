@@ -1,0 +1,160 @@
+"""GatewayConfig (the `gateway` section of fairgate.yaml) and FairgateConfig (the whole file).
+
+Every key has a default; an unknown key or a wrong value is a ValueError naming the key, so
+`fairgate serve` fails at start with one line instead of misbehaving under load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.settings import load_config_file, section
+from tenants import DEFAULT_DATABASE_URL
+
+DISPATCH_POLICIES = ("fair", "fcfs")
+BACKEND_KINDS = ("fairgate", "openai")
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """A remote engine. `fairgate`: a `fairgate engine` server (has /load, takes tenant and
+    priority); `openai`: any OpenAI-compatible server (vLLM, SGLang), held to `max_inflight`."""
+
+    url: str
+    kind: str = "fairgate"
+    api_key: str | None = None
+    model: str | None = None  # the model name to send; None: the server's first /v1/models id
+    max_inflight: int = 64  # the dispatch bound when the server has no /load
+    max_model_len: int | None = None  # None: from /load, else the engine section's value
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"gateway.backends[].url must start with http:// or https://, "
+                             f"got {self.url!r}")
+        _check_choice("gateway.backends[].kind", self.kind, BACKEND_KINDS)
+        _check_int("gateway.backends[].max_inflight", self.max_inflight)
+        if self.max_model_len is not None:
+            _check_int("gateway.backends[].max_model_len", self.max_model_len)
+
+    @property
+    def base_url(self) -> str:
+        base = self.url.rstrip("/")
+        return base[:-3] if base.endswith("/v1") else base
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    admin_key: str | None = None  # None: /admin/* is disabled
+    backends: tuple[BackendConfig, ...] = ()  # empty: one embedded engine from `engine`
+    dispatch: str = "fair"  # fair (priority class, then weighted VTC) | fcfs (the baseline)
+    tokenizer: str | None = None  # tokenizer.json for counting prompts sent to remote backends
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float = 600.0  # one request, end to end, once dispatched
+    client_timeout_s: float = 30.0  # a client must finish sending its body within this
+    queue_timeout_s: float = 30.0  # default for tenants without their own
+    max_queued_requests: int = 1024  # per tenant, default for tenants without their own
+    max_queued_tokens: int = 4_000_000  # per tenant, estimated tokens
+    default_output_tokens: int = 256  # cost estimate without max_tokens or history
+    output_estimate_window_s: float = 3600.0  # the history behind the p90 output estimate
+    backend_poll_interval_s: float = 0.05  # how often remote /load is read
+    backend_retry_after_s: float = 5.0  # Retry-After when no backend is reachable
+    backend_waiting_slack: int = 4  # engine-side waiting requests tolerated before holding back
+    demo_tenant: bool = True  # first start with no tenants: create "demo" and print its key
+    log_requests: bool = False  # never logs keys or bodies; this adds tenant/status/latency lines
+    vtc_input_weight: float = 1.0  # VTC cost of a prompt token
+    vtc_output_weight: float = 2.0  # VTC cost of an output token (decode is dearer per token)
+
+    def __post_init__(self) -> None:
+        _check_choice("gateway.dispatch", self.dispatch, DISPATCH_POLICIES)
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port < 65536:
+            raise ValueError(f"gateway.port must be an integer in 0..65535, got {self.port!r}")
+        for name in ("max_body_bytes", "max_queued_requests", "max_queued_tokens",
+                     "default_output_tokens"):
+            _check_int(f"gateway.{name}", getattr(self, name))
+        _check_int("gateway.backend_waiting_slack", self.backend_waiting_slack, low=0)
+        for name in ("request_timeout_s", "client_timeout_s", "queue_timeout_s",
+                     "output_estimate_window_s", "backend_poll_interval_s",
+                     "backend_retry_after_s", "vtc_input_weight", "vtc_output_weight"):
+            _check_float(f"gateway.{name}", getattr(self, name))
+        if self.admin_key is not None and (not isinstance(self.admin_key, str)
+                                           or len(self.admin_key) < 16):
+            raise ValueError("gateway.admin_key must be a string of at least 16 characters")
+        for name in ("demo_tenant", "log_requests"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"gateway.{name} must be true or false")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> GatewayConfig:
+        values = dict(values or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown gateway setting(s): {', '.join(unknown)}; "
+                             f"known settings are: {', '.join(sorted(known))}")
+        backends = values.pop("backends", None) or []
+        if not isinstance(backends, list):
+            raise ValueError("gateway.backends must be a list of {url: ...} mappings")
+        return cls(backends=tuple(_backend(b) for b in backends), **values)
+
+
+@dataclass(frozen=True)
+class FairgateConfig:
+    """What `fairgate serve` needs from fairgate.yaml; other sections belong to other tools."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    database: str = DEFAULT_DATABASE_URL
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FairgateConfig:
+        database = data.get("database") or DEFAULT_DATABASE_URL
+        if isinstance(database, dict):  # `database: {url: ...}`, as the tenants CLI accepts
+            database = database.get("url")
+        if not isinstance(database, str) or not database:
+            raise ValueError("database must be a database URL string, e.g. "
+                             "sqlite:///fairgate.db or postgresql://user@host/db")
+        return cls(engine=EngineConfig.from_dict(section(data, "engine")),
+                   gateway=GatewayConfig.from_dict(section(data, "gateway")),
+                   database=database)
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> FairgateConfig:
+        return cls.from_dict(load_config_file(path))
+
+
+def _backend(value: Any) -> BackendConfig:
+    if isinstance(value, str):
+        return BackendConfig(url=value)
+    if not isinstance(value, dict):
+        raise ValueError(f"gateway.backends entries must be mappings with a url, got {value!r}")
+    known = {f.name for f in dataclasses.fields(BackendConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown gateway.backends setting(s): {', '.join(unknown)}; "
+                         f"known settings are: {', '.join(sorted(known))}")
+    if "url" not in value:
+        raise ValueError("each gateway.backends entry needs a url")
+    return BackendConfig(**value)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {' | '.join(choices)}, got {value!r}")
+
+
+def _check_int(name: str, value: object, low: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_float(name: str, value: object) -> None:
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")

@@ -1,0 +1,256 @@
+"""Bounded per-tenant queues and the order they are served in (pure logic, no I/O).
+
+`fair`: the interactive class always goes before batch (batch fills idle capacity); within a
+class the backlogged tenant with the smallest virtual token counter goes next (VTC, Sheng et al.
+2024). A dispatch charges the tenant's counter with the request's estimated input and output
+tokens divided by its weight; `finish` settles the difference to the actual tokens. A tenant that
+becomes backlogged starts no lower than the current minimum, so idleness earns no credit to
+burst with later. `fcfs`: arrival order across all tenants, the baseline.
+
+Bounds (queued requests, queued estimated tokens) are checked on push; a full queue answers with
+the time its tenant's recent drain rate needs to make room.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+CLASSES = ("interactive", "batch")
+DRAIN_WINDOW_S = 30.0
+_NO_DRAIN_RETRY_S = 5.0  # nothing drained lately: a guess, bounded so clients come back
+_MAX_RETRY_S = 60.0
+
+
+@dataclass(frozen=True)
+class QueueBounds:
+    max_requests: int | None = None
+    max_tokens: int | None = None
+    max_concurrent: int | None = None  # dispatched and unfinished
+
+
+class QueueFull(Exception):
+    def __init__(self, reason: str, retry_after: float, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # queue_requests | queue_tokens
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False)
+class QueuedRequest:
+    tenant: str
+    input_tokens: int
+    output_tokens: int  # estimated
+    priority: str = "interactive"
+    weight: float = 1.0
+    payload: Any = None  # what the caller waits on; the queue never looks at it
+    seq: int = 0
+    enqueued_at: float = 0.0
+    state: str = "new"  # new -> queued -> dispatched -> finished | removed
+
+    @property
+    def cost(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass
+class TenantQueue:
+    name: str
+    weight: float = 1.0
+    bounds: QueueBounds = field(default_factory=QueueBounds)
+    queues: dict[str, deque[QueuedRequest]] = field(
+        default_factory=lambda: {c: deque() for c in CLASSES})
+    queued_requests: int = 0
+    queued_tokens: int = 0
+    running: int = 0
+    counter: float = 0.0  # VTC virtual service, in weighted tokens
+    served_tokens: float = 0.0  # weighted-free actual service, for reports and tests
+    drained: deque[tuple[float, int]] = field(default_factory=deque)  # (time, cost) dispatched
+
+    @property
+    def can_run(self) -> bool:
+        cap = self.bounds.max_concurrent
+        return cap is None or self.running < cap
+
+    def drain_rates(self, now: float) -> tuple[float, float]:
+        """(requests/s, tokens/s) dispatched over the last DRAIN_WINDOW_S."""
+        while self.drained and self.drained[0][0] < now - DRAIN_WINDOW_S:
+            self.drained.popleft()
+        if not self.drained:
+            return 0.0, 0.0
+        span = max(now - self.drained[0][0], 1.0)
+        return len(self.drained) / span, sum(c for _, c in self.drained) / span
+
+
+class FairQueue:
+    def __init__(self, policy: str = "fair", input_weight: float = 1.0,
+                 output_weight: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if policy not in ("fair", "fcfs"):
+            raise ValueError(f"dispatch policy must be fair or fcfs, got {policy!r}")
+        self.policy = policy
+        self.input_weight = input_weight
+        self.output_weight = output_weight
+        self.clock = clock
+        self.tenants: dict[str, TenantQueue] = {}
+        self._active: dict[str, set[str]] = {c: set() for c in CLASSES}  # backlogged tenants
+        self._seq = itertools.count()
+        self._vtime = 0.0  # counter of the last dispatch: the floor when no one is backlogged
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    # ---- push ---------------------------------------------------------------------------------
+    def push(self, item: QueuedRequest, bounds: QueueBounds | None = None) -> None:
+        """Queue `item`, or raise QueueFull leaving everything unchanged."""
+        if item.priority not in CLASSES:
+            raise ValueError(f"unknown priority {item.priority!r}")
+        tq = self._tenant(item.tenant, item.weight, bounds)
+        self._check_room(tq, item)
+        if not any(tq.queues[c] for c in CLASSES):
+            self._lift(tq)
+        item.seq, item.enqueued_at, item.state = next(self._seq), self.clock(), "queued"
+        tq.queues[item.priority].append(item)
+        self._active[item.priority].add(tq.name)
+        tq.queued_requests += 1
+        tq.queued_tokens += item.cost
+        self.size += 1
+
+    def _tenant(self, name: str, weight: float, bounds: QueueBounds | None) -> TenantQueue:
+        tq = self.tenants.get(name)
+        if tq is None:
+            tq = self.tenants[name] = TenantQueue(name, weight, bounds or QueueBounds())
+            tq.counter = self._floor(exclude=name)
+        else:  # weights and limits may change while the gateway runs
+            tq.weight = weight
+            if bounds is not None:
+                tq.bounds = bounds
+        return tq
+
+    def _check_room(self, tq: TenantQueue, item: QueuedRequest) -> None:
+        b, now = tq.bounds, self.clock()
+        if b.max_requests is not None and tq.queued_requests + 1 > b.max_requests:
+            rate, _ = tq.drain_rates(now)
+            raise QueueFull("queue_requests", _retry(tq.queued_requests + 1 - b.max_requests, rate),
+                            f"too many queued requests for tenant {tq.name} "
+                            f"(max_queued_requests={b.max_requests})")
+        if b.max_tokens is not None and tq.queued_tokens + item.cost > b.max_tokens:
+            _, rate = tq.drain_rates(now)
+            excess = tq.queued_tokens + item.cost - b.max_tokens
+            if item.cost > b.max_tokens:  # never fits; say so, without a retry that cannot help
+                raise QueueFull("queue_tokens", _MAX_RETRY_S,
+                                f"request's estimated cost ({item.cost} tokens) exceeds "
+                                f"max_queued_tokens ({b.max_tokens})")
+            raise QueueFull("queue_tokens", _retry(excess, rate),
+                            f"too many queued tokens for tenant {tq.name} "
+                            f"(max_queued_tokens={b.max_tokens})")
+
+    def _floor(self, exclude: str) -> float:
+        active = [self.tenants[t].counter for c in CLASSES for t in self._active[c] if t != exclude]
+        return min(active) if active else self._vtime
+
+    def _lift(self, tq: TenantQueue) -> None:
+        tq.counter = max(tq.counter, self._floor(exclude=tq.name))
+
+    # ---- pop ----------------------------------------------------------------------------------
+    def pop(self) -> QueuedRequest | None:
+        """The next request to dispatch (its tenant's counter charged), or None."""
+        tq = self._pick_fcfs() if self.policy == "fcfs" else self._pick_fair()
+        if tq is None:
+            return None
+        item = self._head(tq)
+        assert item is not None
+        self._take(tq, item)
+        self._vtime = max(self._vtime, tq.counter)
+        tq.counter += self._service(item.input_tokens, item.output_tokens) / tq.weight
+        tq.running += 1
+        tq.drained.append((self.clock(), item.cost))
+        item.state = "dispatched"
+        return item
+
+    def _pick_fair(self) -> TenantQueue | None:
+        for cls in CLASSES:
+            best: TenantQueue | None = None
+            for name in self._active[cls]:
+                tq = self.tenants[name]
+                if tq.can_run and (best is None or (tq.counter, tq.queues[cls][0].seq)
+                                   < (best.counter, best.queues[cls][0].seq)):
+                    best = tq
+            if best is not None:
+                return best
+        return None
+
+    def _pick_fcfs(self) -> TenantQueue | None:
+        heads = ((q[0].seq, tq) for tq in self._eligible() for q in tq.queues.values() if q)
+        first = min(heads, key=lambda h: h[0], default=None)
+        return None if first is None else first[1]
+
+    def _eligible(self) -> Iterator[TenantQueue]:
+        names = set().union(*self._active.values())
+        return (self.tenants[n] for n in names if self.tenants[n].can_run)
+
+    def _head(self, tq: TenantQueue) -> QueuedRequest | None:
+        if self.policy == "fcfs":
+            heads = [q[0] for q in tq.queues.values() if q]
+            return min(heads, key=lambda i: i.seq, default=None)
+        return next((tq.queues[c][0] for c in CLASSES if tq.queues[c]), None)
+
+    def _take(self, tq: TenantQueue, item: QueuedRequest) -> None:
+        queue = tq.queues[item.priority]
+        if queue and queue[0] is item:
+            queue.popleft()
+        else:
+            queue.remove(item)
+        if not queue:
+            self._active[item.priority].discard(tq.name)
+        tq.queued_requests -= 1
+        tq.queued_tokens -= item.cost
+        self.size -= 1
+
+    # ---- leave --------------------------------------------------------------------------------
+    def remove(self, item: QueuedRequest) -> bool:
+        """Take a still-queued request out (timeout, disconnect): no charge at all."""
+        if item.state != "queued":
+            return False
+        self._take(self.tenants[item.tenant], item)
+        item.state = "removed"
+        return True
+
+    def finish(self, item: QueuedRequest, input_tokens: int, output_tokens: int) -> None:
+        """A dispatched request ended: settle its counter charge to the actual tokens."""
+        if item.state != "dispatched":
+            return
+        tq = self.tenants[item.tenant]
+        estimated = self._service(item.input_tokens, item.output_tokens)
+        actual = self._service(input_tokens, output_tokens)
+        tq.counter += (actual - estimated) / tq.weight
+        tq.served_tokens += input_tokens + output_tokens
+        tq.running -= 1
+        item.state = "finished"
+
+    def _service(self, input_tokens: int, output_tokens: int) -> float:
+        return self.input_weight * input_tokens + self.output_weight * output_tokens
+
+    # ---- views --------------------------------------------------------------------------------
+    def depth(self, tenant: str) -> tuple[int, int]:
+        tq = self.tenants.get(tenant)
+        return (tq.queued_requests, tq.queued_tokens) if tq else (0, 0)
+
+    def depth_by_class(self, tenant: str) -> dict[str, int]:
+        tq = self.tenants.get(tenant)
+        return {c: len(tq.queues[c]) if tq else 0 for c in CLASSES}
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        return {name: {"queued_requests": tq.queued_requests, "queued_tokens": tq.queued_tokens,
+                       "running": tq.running, "counter": round(tq.counter, 1),
+                       "weight": tq.weight} for name, tq in self.tenants.items()}
+
+
+def _retry(excess: float, rate: float) -> float:
+    if rate <= 0:
+        return _NO_DRAIN_RETRY_S
+    return min(_MAX_RETRY_S, excess / rate)

@@ -1,0 +1,67 @@
+"""Prometheus metrics of one gateway app, in the app's own CollectorRegistry (so two apps in one
+process, as in tests, never share counters). Children per tenant are cached: labels() costs a
+dict lookup and a lock, which adds up at one ITL observation per token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("fairgate_gateway_requests_total",
+                                "Requests answered, by tenant and HTTP status",
+                                ["tenant", "status"], registry=r)
+        self.rejections = Counter("fairgate_gateway_rejections_total",
+                                  "429s and 503s by reason (requests_per_min, tokens_per_min, "
+                                  "queue_requests, queue_tokens, queue_timeout, backend)",
+                                  ["tenant", "reason"], registry=r)
+        self.queue_depth = Gauge("fairgate_gateway_queue_depth", "Requests waiting in the gateway",
+                                 ["tenant", "priority"], registry=r)
+        self.queue_time = Histogram("fairgate_gateway_queue_time_seconds",
+                                    "Time from admission to dispatch", ["tenant"],
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("fairgate_gateway_ttft_seconds", "Time to first token (arrival to "
+                              "first token sent)", ["tenant"], buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("fairgate_gateway_itl_seconds", "Gap between streamed tokens",
+                             ["tenant"], buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("fairgate_gateway_e2e_seconds", "Arrival to last byte", ["tenant"],
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("fairgate_gateway_tokens_total", "Tokens by direction (in: prompt, "
+                              "out: completion)", ["tenant", "direction"], registry=r)
+        self.slo_checked = Counter("fairgate_gateway_slo_requests_total",
+                                   "Requests checked against the tenant's SLO targets",
+                                   ["tenant", "slo", "met"], registry=r)
+        self.slo_attainment = Gauge("fairgate_gateway_slo_attainment",
+                                    "Share of requests that met the SLO since start",
+                                    ["tenant", "slo"], registry=r)
+        self.inflight = Gauge("fairgate_gateway_backend_inflight",
+                              "Requests dispatched to a backend and unfinished", ["backend"],
+                              registry=r)
+        self._children: dict[tuple[str, str], Any] = {}
+        self._slo_counts: dict[tuple[str, str], list[int]] = {}
+
+    def child(self, metric: str, tenant: str) -> Any:
+        key = (metric, tenant)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = getattr(self, metric).labels(tenant)
+        return found
+
+    def observe_slo(self, tenant: str, slo: str, value: float, target: float | None) -> None:
+        if target is None:
+            return
+        met = value <= target
+        self.slo_checked.labels(tenant, slo, "true" if met else "false").inc()
+        counts = self._slo_counts.setdefault((tenant, slo), [0, 0])
+        counts[0] += met
+        counts[1] += 1
+        self.slo_attainment.labels(tenant, slo).set(counts[0] / counts[1])

@@ -1,0 +1,133 @@
+"""The OpenAI endpoints: read and validate, admit, wait for dispatch, run, stream back.
+
+Failure paths never become a bare 500: every exception is mapped to an OpenAI error (before the
+stream starts) or an error event (after). A client that goes away is noticed by aiohttp
+cancelling the handler (handler_cancellation) or by a failed write; either way the backend
+iterator is closed, which aborts the engine request, and a request still queued is removed and
+charged nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from gateway.backends import Backend, BackendUnavailable
+from gateway.errors import ApiError, bad_request
+from gateway.openai_format import ParsedRequest, parse_request, sse_error
+from gateway.service import Admission
+from gateway.state import AUTH, GATEWAY, SETTINGS
+
+log = logging.getLogger("fairgate.gateway")
+CLIENT_GONE = 499  # nginx's code for "client closed request", recorded in usage
+
+
+async def read_json(request: web.Request) -> Any:
+    settings = request.app[SETTINGS]
+    length = request.content_length
+    if length is not None and length > settings.max_body_bytes:
+        raise _too_large(settings.max_body_bytes)
+    try:
+        async with asyncio.timeout(settings.client_timeout_s):
+            raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large(settings.max_body_bytes) from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within "
+                       f"{settings.client_timeout_s:g} s", code="client_timeout") from None
+    if not raw:
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}",
+                          code="invalid_json") from None
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes",
+                    code="request_too_large")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, "completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, "chat")
+
+
+async def _handle(request: web.Request, endpoint: str) -> web.StreamResponse:
+    principal = await request.app[AUTH].tenant(request)
+    gw = request.app[GATEWAY]
+    req: ParsedRequest | None = None
+    try:
+        req = parse_request(await read_json(request), endpoint)
+        adm, future = await gw.admit(principal, req)
+    except ApiError as exc:
+        gw.record_rejection(principal, req, exc.status)
+        raise
+    try:
+        backend = await adm.wait(future, gw.queue_timeout(principal.tenant))
+        async with asyncio.timeout(gw.config.request_timeout_s):
+            if req.stream:
+                return await _stream(request, adm, backend)
+            return await _whole(adm, backend)
+    except ApiError as exc:
+        adm.settle(exc.status)
+        raise
+    except BackendUnavailable as exc:
+        adm.settle(503)
+        raise ApiError(503, str(exc), code="backend_unavailable",
+                       retry_after=exc.retry_after) from None
+    except TimeoutError:
+        adm.settle(504)
+        raise ApiError(504, f"the request did not finish within "
+                       f"{gw.config.request_timeout_s:g} s", code="timeout") from None
+    except (asyncio.CancelledError, ConnectionError):
+        adm.settle(CLIENT_GONE)
+        raise
+    finally:
+        adm.settle(500)  # only reached unsettled by an unexpected error
+
+
+async def _whole(adm: Admission, backend: Backend) -> web.Response:
+    body = await backend.complete(adm.job, adm.outcome)
+    adm.settle(200)
+    return web.Response(body=body, content_type="application/json")
+
+
+async def _stream(request: web.Request, adm: Admission, backend: Backend) -> web.StreamResponse:
+    events = backend.stream(adm.job, adm.outcome)
+    try:
+        # Wait for the first event before sending headers: errors that come before any token
+        # (bad params, overload) still get a proper status code.
+        first = await anext(events, b"")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        status = await _pump(resp, first, events)
+        adm.settle(status)
+        return resp
+    finally:
+        await events.aclose()
+
+
+async def _pump(resp: web.StreamResponse, first: bytes, events: Any) -> int:
+    """Write the stream; an error after the first byte travels as an SSE error event."""
+    try:
+        await resp.write(first)
+        async for chunk in events:
+            await resp.write(chunk)
+    except (ApiError, BackendUnavailable) as exc:
+        err = exc if isinstance(exc, ApiError) else ApiError(503, str(exc), code="backend_error")
+        await resp.write(sse_error(err))
+        await resp.write_eof()
+        return err.status
+    await resp.write_eof()
+    return 200

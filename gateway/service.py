@@ -1,0 +1,264 @@
+"""The request pipeline between HTTP and the backends: estimate, admit, queue, run, settle.
+
+`Gateway.prepare` turns a validated request into an `Admission` (cost estimated, rate charged,
+queued). `Admission.wait` waits for dispatch; `Admission.settle` ends it, whatever happened:
+settle the rate and VTC charges to the actual tokens (or refund them when nothing ran), record
+usage, observe metrics. Every path through a request calls `settle` exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from gateway.admission import (
+    Charge,
+    ContextLengthExceeded,
+    CostEstimate,
+    OutputEstimator,
+    RateLimited,
+    RateLimiter,
+    estimate_cost,
+)
+from gateway.backends import Backend, BackendPool, Job, Outcome
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
+from gateway.errors import ApiError, bad_request
+from gateway.fairqueue import FairQueue, QueueBounds, QueuedRequest, QueueFull
+from gateway.metrics import GatewayMetrics
+from gateway.openai_format import ParsedRequest, check_sampling
+from tenants import LedgerFullError, Principal, TenantInfo, UsageEvent, UsageLedger
+
+log = logging.getLogger("fairgate.gateway")
+_ids = itertools.count()
+_ID_PREFIX = os.urandom(4).hex()
+
+
+@dataclass
+class Admission:
+    gateway: Gateway
+    principal: Principal
+    job: Job
+    cost: CostEstimate
+    charge: Charge
+    item: QueuedRequest
+    arrival: float  # perf_counter
+    created_at: float  # epoch
+    backend: Backend | None = None
+    dispatched_at: float | None = None
+    outcome: Outcome = field(init=False)
+    settled: bool = False
+
+    def __post_init__(self) -> None:
+        self.outcome = Outcome(prompt_tokens=self.cost.prompt_tokens)
+
+    @property
+    def tenant(self) -> TenantInfo:
+        return self.principal.tenant
+
+    async def wait(self, future: asyncio.Future[Backend], timeout: float) -> Backend:
+        """The backend this request was dispatched to; a queue timeout is a 503 saying so."""
+        try:
+            async with asyncio.timeout(timeout):
+                self.backend = await future
+        except TimeoutError:
+            self.gateway.dispatcher.abandon(self.item)
+            raise ApiError(503, f"request waited {timeout:g} s in tenant {self.tenant.name}'s "
+                           "queue without being dispatched (queue timeout); the gateway is at "
+                           "capacity", code="queue_timeout", retry_after=timeout) from None
+        self.dispatched_at = time.perf_counter()
+        return self.backend
+
+    def settle(self, status: int) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        self.gateway.finish(self, status)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, pool: BackendPool, ledger: UsageLedger | None,
+                 metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.pool = pool
+        self.ledger = ledger
+        self.metrics = metrics
+        self.limiter = RateLimiter()
+        self.estimator = OutputEstimator()
+        self.queue = FairQueue(config.dispatch, config.vtc_input_weight, config.vtc_output_weight)
+        self.dispatcher = Dispatcher(self.queue, self.pool, metrics)
+
+    # ---- admission --------------------------------------------------------------------------
+    async def admit(self, principal: Principal, req: ParsedRequest) -> tuple[
+            Admission, asyncio.Future[Backend]]:
+        """Estimate, charge and queue; ApiError for every rejection (nothing charged then)."""
+        tenant = principal.tenant
+        self._check_ready(req)
+        priority = req.priority or tenant.default_priority
+        if priority not in tenant.allowed_priorities:
+            raise ApiError(403, f"priority {priority!r} is not allowed for this key's tenant "
+                           f"(allowed: {', '.join(tenant.allowed_priorities)})",
+                           code="priority_not_allowed", param="priority")
+        cost = await self._estimate(tenant, req)
+        max_tokens = self._resolve_max_tokens(tenant, req, cost)
+        check_sampling(req.sampling, max_tokens)
+        charge = self._charge(tenant, cost)
+        job = Job(f"{_ID_PREFIX}-{next(_ids)}", req, tenant.name, priority,
+                  cost.prompt_tokens, max_tokens)
+        item = QueuedRequest(tenant.name, cost.prompt_tokens, cost.output_tokens, priority,
+                             tenant.weight)
+        adm = Admission(self, principal, job, cost, charge, item, time.perf_counter(),
+                        time.time())
+        try:
+            future = self.dispatcher.submit(item, self._bounds(tenant))
+        except QueueFull as exc:
+            self.limiter.refund(charge)
+            self.metrics.rejections.labels(tenant.name, exc.reason).inc()
+            raise ApiError(429, str(exc), code=exc.reason, retry_after=exc.retry_after) from None
+        return adm, future
+
+    def _check_ready(self, req: ParsedRequest) -> None:
+        if not self.pool.healthy:
+            raise ApiError(503, "no engine backend is reachable; try again shortly",
+                           code="backend_unavailable",
+                           retry_after=self.config.backend_retry_after_s)
+        if req.model not in self.pool.model_names() and req.model != "default":
+            names = ", ".join(self.pool.model_names()) or "none yet"
+            raise ApiError(404, f"The model {req.model!r} does not exist; this gateway serves: "
+                           f"{names}", code="model_not_found", param="model")
+        if self.ledger is not None and self.ledger.pending >= 2 * self.ledger.max_pending:
+            raise ApiError(503, "usage recording is behind; try again shortly",
+                           code="ledger_full", retry_after=1.0)
+
+    async def _estimate(self, tenant: TenantInfo, req: ParsedRequest) -> CostEstimate:
+        prompt_tokens = self.pool.primary.count_prompt(req)
+        limit = tenant.limits.max_tokens
+        if limit is not None and req.max_tokens is not None and req.max_tokens > limit:
+            raise bad_request(f"max_tokens ({req.max_tokens}) exceeds this tenant's limit "
+                              f"({limit})", "max_tokens", "max_tokens_exceeded")
+        if req.max_tokens is None and self.estimator.needs_seed(tenant.name):
+            await self._seed(tenant.name)
+        try:
+            return estimate_cost(prompt_tokens, req.max_tokens,
+                                 self.estimator.estimate(tenant.name),
+                                 self.config.default_output_tokens, self.pool.max_model_len)
+        except ContextLengthExceeded as exc:
+            raise bad_request(str(exc), "messages" if req.endpoint == "chat" else "prompt",
+                              "context_length_exceeded") from None
+
+    async def _seed(self, tenant: str) -> None:
+        value = None
+        if self.ledger is not None:
+            try:
+                value = await self.ledger.output_tokens_percentile(
+                    tenant, self.config.output_estimate_window_s, 90)
+            except Exception as exc:  # the estimate falls back to the default; never fail here
+                log.warning("output-length history unavailable: %s", type(exc).__name__)
+        self.estimator.seed(tenant, value)
+
+    def _resolve_max_tokens(self, tenant: TenantInfo, req: ParsedRequest,
+                            cost: CostEstimate) -> int:
+        if req.max_tokens is not None:
+            return req.max_tokens
+        room = self.pool.max_model_len - cost.prompt_tokens
+        return min(room, tenant.limits.max_tokens or room)
+
+    def _charge(self, tenant: TenantInfo, cost: CostEstimate) -> Charge:
+        try:
+            return self.limiter.admit(tenant.name, tenant.limits, cost.total)
+        except RateLimited as exc:
+            self.metrics.rejections.labels(tenant.name, exc.reason).inc()
+            raise ApiError(429, str(exc), code=exc.reason if exc.retry_after is not None
+                           else "request_too_large", retry_after=exc.retry_after) from None
+
+    def _bounds(self, tenant: TenantInfo) -> QueueBounds:
+        limits = tenant.limits
+        return QueueBounds(limits.max_queued_requests or self.config.max_queued_requests,
+                           limits.max_queued_tokens or self.config.max_queued_tokens,
+                           limits.max_concurrent)
+
+    def queue_timeout(self, tenant: TenantInfo) -> float:
+        return tenant.limits.queue_timeout_s or self.config.queue_timeout_s
+
+    # ---- the end of every request ------------------------------------------------------------
+    def finish(self, adm: Admission, status: int) -> None:
+        if adm.backend is None and adm.item.state == "dispatched":
+            # Dispatched in the same turn the waiter was cancelled: give the slot back.
+            self.dispatcher.release(adm.item, adm.item.payload.result(), 0, 0)
+            adm.item.state = "removed"
+        out, ran = adm.outcome, adm.backend is not None
+        if adm.backend is None:
+            adm.gateway.dispatcher.abandon(adm.item)
+            self.limiter.refund(adm.charge)  # never ran: charged nothing
+        else:
+            self.limiter.settle(adm.charge, out.prompt_tokens + out.completion_tokens)
+            self.dispatcher.release(adm.item, adm.backend, out.prompt_tokens,
+                                    out.completion_tokens)
+            if status == 200 and out.finish_reason is not None:
+                self.estimator.observe(adm.tenant.name, out.completion_tokens)
+        self._observe(adm, status, ran)
+        self._record(adm, status)
+
+    def _observe(self, adm: Admission, status: int, ran: bool) -> None:
+        m, name, out = self.metrics, adm.tenant.name, adm.outcome
+        m.requests.labels(name, str(status)).inc()
+        if status in (429, 503) and not ran:
+            reason = "queue_timeout" if adm.item.state == "removed" else "backend"
+            m.rejections.labels(name, reason).inc()
+        if adm.dispatched_at is not None:
+            m.child("queue_time", name).observe(adm.dispatched_at - adm.arrival)
+        if not ran:
+            return
+        m.child("e2e", name).observe(time.perf_counter() - adm.arrival)
+        m.tokens.labels(name, "in").inc(out.prompt_tokens)
+        m.tokens.labels(name, "out").inc(out.completion_tokens)
+        times = out.chunk_times
+        if times and adm.job.req.stream:
+            ttft = times[0] - adm.arrival
+            m.child("ttft", name).observe(ttft)
+            m.observe_slo(name, "ttft", ttft, adm.tenant.slo_ttft_p99_s)
+            itl = m.child("itl", name)
+            for a, b in itertools.pairwise(times):
+                itl.observe(b - a)
+            if len(times) > 1:
+                tpot = (times[-1] - times[0]) / (len(times) - 1)
+                m.observe_slo(name, "itl", tpot, adm.tenant.slo_itl_p99_s)
+
+    def _record(self, adm: Admission, status: int) -> None:
+        out, now = adm.outcome, time.perf_counter()
+        ttft = (out.chunk_times[0] - adm.arrival) if out.chunk_times else None
+        queue_time = (adm.dispatched_at or now) - adm.arrival
+        ran = adm.backend is not None
+        event = UsageEvent(tenant=adm.tenant.name, key_id=adm.principal.key_id,
+                           model=adm.job.req.model, priority=adm.job.priority,
+                           prompt_tokens=out.prompt_tokens if ran else 0,
+                           completion_tokens=out.completion_tokens if ran else 0,
+                           status=status, queue_time=queue_time, ttft=ttft,
+                           e2e=now - adm.arrival, created_at=adm.created_at)
+        if self.config.log_requests:  # tenant, status and timings only: never keys or bodies
+            log.info("tenant=%s status=%d prompt=%d completion=%d queue=%.3fs e2e=%.3fs",
+                     event.tenant, status, event.prompt_tokens, event.completion_tokens,
+                     queue_time, event.e2e or 0.0)
+        if self.ledger is None:
+            return
+        with contextlib.suppress(RuntimeError):  # LedgerFullError: admission already says 503
+            self.ledger.record(event)
+
+    def record_rejection(self, principal: Principal, req: ParsedRequest | None,
+                         status: int) -> None:
+        """A request turned away before admission (400, 403, 404, 429, 503): usage says so."""
+        name = principal.tenant.name
+        self.metrics.requests.labels(name, str(status)).inc()
+        if self.ledger is None:
+            return
+        event = UsageEvent(tenant=name, key_id=principal.key_id,
+                           model=req.model if req else "", priority=(req and req.priority)
+                           or principal.tenant.default_priority, prompt_tokens=0,
+                           completion_tokens=0, status=status)
+        with contextlib.suppress(LedgerFullError, RuntimeError):
+            self.ledger.record(event)

@@ -1,0 +1,119 @@
+"""Rate limits with estimate-and-settle, Retry-After math, cost estimates."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.admission import (
+    ContextLengthExceeded,
+    OutputEstimator,
+    RateLimited,
+    RateLimiter,
+    estimate_cost,
+)
+from tenants import TenantLimits
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_requests_per_min_retry_after_is_when_the_oldest_leaves() -> None:
+    clock = Clock()
+    limiter = RateLimiter(clock=clock)
+    limits = TenantLimits(requests_per_min=2)
+    limiter.admit("a", limits, 10)
+    clock.t += 20
+    limiter.admit("a", limits, 10)
+    clock.t += 5
+    with pytest.raises(RateLimited) as info:
+        limiter.admit("a", limits, 10)
+    assert info.value.reason == "requests_per_min"
+    assert info.value.retry_after == pytest.approx(35.0)  # first charge at t0 leaves at t0+60
+    clock.t += 35.01
+    limiter.admit("a", limits, 10)
+
+
+def test_tokens_charged_by_estimate_then_settled_to_actual() -> None:
+    clock = Clock()
+    limiter = RateLimiter(clock=clock)
+    limits = TenantLimits(tokens_per_min=1000)
+    charge = limiter.admit("a", limits, 900)
+    with pytest.raises(RateLimited) as info:  # the estimate blocks at once: no overshoot
+        limiter.admit("a", limits, 200)
+    assert info.value.reason == "tokens_per_min"
+    assert info.value.retry_after == pytest.approx(60.0)
+    limiter.settle(charge, 100)  # it used far less than estimated
+    limiter.admit("a", limits, 800)
+    assert limiter.usage("a") == (2, 900)
+
+
+def test_retry_after_counts_only_the_charges_that_must_leave() -> None:
+    clock = Clock()
+    limiter = RateLimiter(clock=clock)
+    limits = TenantLimits(tokens_per_min=100)
+    for _ in range(4):
+        limiter.admit("a", limits, 25)
+        clock.t += 10
+    with pytest.raises(RateLimited) as info:
+        limiter.admit("a", limits, 40)  # needs 40 freed: the first two charges (at 0 and 10)
+    assert info.value.retry_after == pytest.approx(60 + 10 - 40)
+
+
+def test_refund_and_separate_tenants() -> None:
+    limiter = RateLimiter(clock=Clock())
+    limits = TenantLimits(requests_per_min=1, tokens_per_min=50)
+    charge = limiter.admit("a", limits, 50)
+    limiter.admit("b", limits, 50)  # b has its own window
+    limiter.refund(charge)
+    assert limiter.usage("a") == (0, 0)
+    limiter.admit("a", limits, 50)
+
+
+def test_a_request_larger_than_the_limit_never_fits() -> None:
+    limiter = RateLimiter(clock=Clock())
+    with pytest.raises(RateLimited) as info:
+        limiter.admit("a", TenantLimits(tokens_per_min=100), 101)
+    assert info.value.retry_after is None
+    assert limiter.usage("a") == (0, 0)
+
+
+def test_settling_an_expired_charge_changes_nothing() -> None:
+    clock = Clock()
+    limiter = RateLimiter(clock=clock)
+    limits = TenantLimits(tokens_per_min=100)
+    charge = limiter.admit("a", limits, 90)
+    clock.t += 61
+    limiter.admit("a", limits, 90)
+    limiter.settle(charge, 5)
+    assert limiter.usage("a") == (1, 90)
+
+
+def test_unlimited_tenant_is_never_limited() -> None:
+    limiter = RateLimiter(clock=Clock())
+    for _ in range(1000):
+        limiter.admit("a", TenantLimits(), 10_000)
+
+
+def test_estimate_uses_max_tokens_else_p90_capped_by_context() -> None:
+    assert estimate_cost(10, 20, 500, 256, 100).total == 30
+    assert estimate_cost(10, None, 50, 256, 100).output_tokens == 50
+    assert estimate_cost(10, None, None, 256, 100).output_tokens == 90  # capped by context left
+    with pytest.raises(ContextLengthExceeded, match="maximum context length is 100"):
+        estimate_cost(10, 91, None, 256, 100)
+    with pytest.raises(ContextLengthExceeded):
+        estimate_cost(100, None, None, 256, 100)
+
+
+def test_output_estimator_p90() -> None:
+    est = OutputEstimator()
+    assert est.estimate("a") is None
+    for n in range(1, 101):
+        est.observe("a", n)
+    assert 85 <= (est.estimate("a") or 0) <= 91  # recomputed every 16 samples: may lag
+    est.seed("b", 42.4)
+    assert est.estimate("b") == 42 and not est.needs_seed("b")

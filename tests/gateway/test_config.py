@@ -1,0 +1,48 @@
+"""fairgate.yaml's gateway section: defaults, and one clear error per mistake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import FairgateConfig, GatewayConfig
+
+
+def test_defaults() -> None:
+    config = FairgateConfig.from_dict({})
+    assert (config.gateway.host, config.gateway.port) == ("127.0.0.1", 8080)
+    assert config.gateway.backends == () and config.gateway.dispatch == "fair"
+    assert config.engine.model == "random:tiny" and config.database.startswith("sqlite")
+
+
+def test_file_with_backends(tmp_path: Path) -> None:
+    path = tmp_path / "fairgate.yaml"
+    path.write_text("database: sqlite:///x.db\ngateway:\n  port: 9000\n  dispatch: fcfs\n"
+                    "  backends:\n    - url: http://127.0.0.1:8001\n    - http://h:2/v1\n")
+    config = FairgateConfig.load(path)
+    assert config.gateway.port == 9000 and config.gateway.dispatch == "fcfs"
+    assert [b.base_url for b in config.gateway.backends] == ["http://127.0.0.1:8001", "http://h:2"]
+    assert config.database == "sqlite:///x.db"
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"prot": 1}, "unknown gateway setting"),
+    ({"port": "80"}, "gateway.port"),
+    ({"dispatch": "lottery"}, "gateway.dispatch must be one of fair | fcfs"),
+    ({"queue_timeout_s": 0}, "gateway.queue_timeout_s"),
+    ({"max_body_bytes": True}, "gateway.max_body_bytes"),
+    ({"admin_key": "short"}, "at least 16"),
+    ({"backends": [{"url": "ftp://x"}]}, "must start with http"),
+    ({"backends": [{"url": "http://x", "kind": "grpc"}]}, "kind must be one of"),
+    ({"backends": [{"host": "x"}]}, "unknown gateway.backends setting"),
+    ({"backends": "http://x"}, "must be a list"),
+])
+def test_errors_name_the_key(values: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GatewayConfig.from_dict(values)
+
+
+def test_database_must_be_a_url() -> None:
+    with pytest.raises(ValueError, match="database must be"):
+        FairgateConfig.from_dict({"database": 5})

@@ -1,0 +1,61 @@
+"""Remote backends: a `fairgate engine` server (with /load) and a plain OpenAI server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.async_engine import AsyncEngine
+from engine.server import make_app as make_engine_app
+from tests.gateway.helpers import SIM_ENGINE, collect, completion, free_port, start_gateway
+from tuner.fake_server import SCRIPT, make_fake_app
+
+
+async def test_fairgate_engine_backend(aiohttp_client: Any, aiohttp_server: Any,
+                                       db_url: str) -> None:
+    server = await aiohttp_server(make_engine_app(AsyncEngine(SIM_ENGINE)))
+    h = await start_gateway(aiohttp_client, db_url,
+                            gateway={"backends": [{"url": str(server.make_url("/v1"))}]})
+    backend = h.gateway.pool.primary
+    assert backend.healthy and backend.load["max_num_seqs"] == 8
+    resp = await h.post("acme", completion("hello", max_tokens=5))
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert body["usage"]["completion_tokens"] == 5 and body["model"] == "random:tiny"
+    resp = await h.post("acme", completion("hello", max_tokens=5, stream=True))
+    events = [e async for e in collect(resp)]
+    assert all(e["choices"] for e in events)  # the forced usage event is not passed on
+    assert h.gateway.limiter.usage("acme") == (2, 22)  # settled with the engine's usage
+    bad = await h.post("acme", completion(max_tokens=600))
+    assert bad.status == 400  # counted with the byte tokenizer, checked before dispatch
+
+
+async def test_openai_backend_passthrough_gets_salt(aiohttp_client: Any, aiohttp_server: Any,
+                                                    db_url: str) -> None:
+    fake = make_fake_app(model="fake-model")
+    server = await aiohttp_server(fake)
+    h = await start_gateway(aiohttp_client, db_url, gateway={
+        "backends": [{"url": str(server.make_url("/")), "kind": "openai", "max_inflight": 2}]})
+    resp = await h.post("acme", completion(model="fake-model", max_tokens=3, stream=True,
+                                           stream_options={"include_usage": True}))
+    events = [e async for e in collect(resp)]
+    assert events[-1]["usage"]["completion_tokens"] == 3
+    sent = fake[SCRIPT].received[-1]
+    assert sent["cache_salt"] == "acme" and "priority" not in sent
+
+
+async def test_backend_down_is_503_with_retry_after(aiohttp_client: Any, db_url: str) -> None:
+    h = await start_gateway(aiohttp_client, db_url, gateway={
+        "backends": [{"url": f"http://127.0.0.1:{free_port()}"}], "backend_retry_after_s": 7})
+    resp = await h.post("acme", completion())
+    assert resp.status == 503 and resp.headers["Retry-After"] == "7"
+    assert (await resp.json())["error"]["code"] == "backend_unavailable"
+
+
+async def test_backend_dies_mid_flight(aiohttp_client: Any, aiohttp_server: Any,
+                                       db_url: str) -> None:
+    server = await aiohttp_server(make_engine_app(AsyncEngine(SIM_ENGINE)))
+    h = await start_gateway(aiohttp_client, db_url,
+                            gateway={"backends": [{"url": str(server.make_url("/"))}]})
+    await server.close()
+    resp = await h.post("acme", completion())
+    assert resp.status == 503 and "Retry-After" in resp.headers
