@@ -8,7 +8,8 @@ processes share this machine's cores: the load generator (this one), the gateway
     .venv/bin/python bench/gateway_overhead.py [--rate 200] [--duration 10] [--requests 6000]
 
 Goals: added latency p50 <= 1 ms and p99 <= 5 ms at 200 requests/s; >= 1,000 non-streaming
-requests/s through the gateway.
+requests/s through the gateway. Beside them runs bench/bare_proxy.py, an aiohttp reverse proxy
+that only forwards bytes: the floor any Python gateway on this machine starts from.
 """
 
 from __future__ import annotations
@@ -145,20 +146,23 @@ def latency_row(label: str, report: Report) -> str:
             f"e2e p50 {ms(s.e2e['median_ms'])} p99 {ms(s.e2e['p99_ms'])} ms")
 
 
-async def run(args: argparse.Namespace, engine_url: str, gw_url: str, key: str) -> int:
+async def run(args: argparse.Namespace, urls: dict[str, str], key: str) -> int:
     model = MODEL[args.backend]
     load = poisson(args.rate, args.duration, args.prompt_tokens, args.output_tokens)
-    await measure(gw_url, key, load[:200], model)  # warm both paths (connections, caches)
-    direct = await measure(engine_url, None, load, model)
-    via = await measure(gw_url, key, load, model)
+    for label, url in urls.items():  # warm every path (connections, caches)
+        await measure(url, key if label == GATEWAY else None, load[:200], model)
     print(f"\n== latency at {args.rate:g} requests/s, {len(load)} streamed requests, "
           f"{args.prompt_tokens} -> {args.output_tokens} tokens ==")
-    print(latency_row("engine directly", direct))
-    print(latency_row("through the gateway", via))
-    added_p50 = via.total.e2e["median_ms"] - direct.total.e2e["median_ms"]
-    added_p99 = via.total.e2e["p99_ms"] - direct.total.e2e["p99_ms"]
-    print(f"added e2e latency: p50 {added_p50:+.2f} ms (goal <= 1)   "
-          f"p99 {added_p99:+.2f} ms (goal <= 5)")
+    reports = {}
+    for label, url in urls.items():
+        reports[label] = await measure(url, key if label == GATEWAY else None, load, model)
+        print(latency_row(label, reports[label]))
+    direct = reports[DIRECT].total.e2e
+    for label in (GATEWAY, BARE):
+        e2e = reports[label].total.e2e
+        print(f"added e2e latency, {label}: p50 {e2e['median_ms'] - direct['median_ms']:+.2f} ms"
+              f"   p99 {e2e['p99_ms'] - direct['p99_ms']:+.2f} ms")
+    print("goals: gateway added p50 <= 1 ms, p99 <= 5 ms")
     burst = [TraceRequest(arrival=0.0, prompt_tokens=args.prompt_tokens,
                           output_tokens=args.output_tokens) for _ in range(args.requests)]
     # The fake server answers every request as one SSE body; the engine can answer plain JSON.
@@ -166,15 +170,18 @@ async def run(args: argparse.Namespace, engine_url: str, gw_url: str, key: str) 
     print(f"\n== throughput: {args.requests} {'streamed' if streaming else 'non-streaming'} "
           f"requests, {args.concurrency} concurrent ==")
     rates = {}
-    for label, url, k in (("engine directly", engine_url, None), ("through gateway", gw_url, key)):
-        report = await measure(url, k, burst, model, max_concurrency=args.concurrency,
-                               extra_body={"stream": streaming})
+    for label, url in urls.items():
+        report = await measure(url, key if label == GATEWAY else None, burst, model,
+                               max_concurrency=args.concurrency, extra_body={"stream": streaming})
         rates[label] = report.total.request_throughput
         print(f"{label:<22} {rates[label]:8.0f} requests/s   "
               f"(failed {sum(report.total.failed.values())})")
-    print(f"gateway / direct: {rates['through gateway'] / rates['engine directly']:.2f}   "
-          f"goal >= 1,000 requests/s through the gateway")
+    print(f"gateway / direct: {rates[GATEWAY] / rates[DIRECT]:.2f}   gateway / bare proxy: "
+          f"{rates[GATEWAY] / rates[BARE]:.2f}   goal >= 1,000 requests/s through the gateway")
     return 0
+
+
+DIRECT, GATEWAY, BARE = "engine directly", "through the gateway", "bare aiohttp proxy"
 
 
 def main() -> int:
@@ -203,14 +210,19 @@ def main() -> int:
         time.sleep(2)
         backend = {"url": engine_url, "kind": "openai", "max_inflight": 512,
                    "max_model_len": 4096}
+    bare_port = free_port()
+    bare = subprocess.Popen([PYTHON, str(ROOT / "bench" / "bare_proxy.py"), engine_url,
+                             str(bare_port)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     with tempfile.TemporaryDirectory() as tmp:
         gw, gw_url, keys = start_gateway({"gateway": {"backends": [backend]}}, Path(tmp))
         try:
             print(f"backend {engine_url} ({args.backend}, instant tokens); gateway {gw_url}; "
                   f"{os.cpu_count()} CPUs")
-            return asyncio.run(run(args, engine_url, gw_url, keys["demo"]))
+            urls = {DIRECT: engine_url, GATEWAY: gw_url, BARE: f"http://127.0.0.1:{bare_port}"}
+            return asyncio.run(run(args, urls, keys["demo"]))
         finally:
             stop(gw)
+            stop(bare)
             stop(engine)
 
 

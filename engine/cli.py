@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from engine.async_engine import AsyncEngine
-    from engine.server import make_app
+    from engine.server import freeze_startup_heap, install_fast_event_loop, make_app
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args.config, args.overrides)
     engine = AsyncEngine(config)  # loads the model before the port opens
     app = make_app(engine, metrics_compat=args.metrics_compat)
+    app.on_startup.append(freeze_startup_heap)  # after the engine context started
+    install_fast_event_loop()
     # handler_cancellation: a client that hangs up on a non-streamed request aborts it too
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
                 print=lambda _: logging.getLogger("fairgate.engine").info(

@@ -61,7 +61,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw.decode("utf-8"))
         # lone surrogates (\ud800) decode fine but cannot be tokenised: refuse them here once
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     except UnicodeError:
         raise ApiError(400, "the request body is not valid UTF-8 text") from None
     except (ValueError, RecursionError) as exc:
@@ -326,4 +326,4 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
 
 
 def sse(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False).encode("utf-8") + b"\n\n"
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"

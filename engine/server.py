@@ -6,7 +6,9 @@ Errors always use OpenAI's shape; unexpected ones are logged and answered 500 in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import logging
 import math
 import uuid
@@ -36,6 +38,25 @@ DEFAULT_CLIENT_MAX_SIZE = 4 * 1024 * 1024
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
 METRICS_KEY = web.AppKey("metrics", EngineMetrics)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def freeze_startup_heap(app: web.Application) -> None:
+    """Move everything allocated at startup (the model, imports, pools) out of the garbage
+    collector's reach. A full collection walks every object: with SQLAlchemy or torch loaded that
+    is a 50-100 ms pause of the event loop, which lands in the p99 of whatever request is in
+    flight. Long-running servers only: call it once, after startup."""
+    gc.collect()
+    gc.freeze()
+
+
+def install_fast_event_loop() -> None:
+    """Use uvloop when it is installed: it roughly halves the event loop's cost per request,
+    which is most of a proxy's work."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 def make_app(engine: AsyncEngine, *, metrics_compat: str | None = None,

@@ -46,22 +46,23 @@ class GatewayMetrics:
         self.inflight = Gauge("fairgate_gateway_backend_inflight",
                               "Requests dispatched to a backend and unfinished", ["backend"],
                               registry=r)
-        self._children: dict[tuple[str, str], Any] = {}
+        self._children: dict[tuple[str, ...], Any] = {}
         self._slo_counts: dict[tuple[str, str], list[int]] = {}
 
-    def child(self, metric: str, tenant: str) -> Any:
-        key = (metric, tenant)
+    def child(self, metric: str, *labels: str) -> Any:
+        """The labelled child of `metric`, cached: this runs several times per request."""
+        key = (metric, *labels)
         found = self._children.get(key)
         if found is None:
-            found = self._children[key] = getattr(self, metric).labels(tenant)
+            found = self._children[key] = getattr(self, metric).labels(*labels)
         return found
 
     def observe_slo(self, tenant: str, slo: str, value: float, target: float | None) -> None:
         if target is None:
             return
         met = value <= target
-        self.slo_checked.labels(tenant, slo, "true" if met else "false").inc()
+        self.child("slo_checked", tenant, slo, "true" if met else "false").inc()
         counts = self._slo_counts.setdefault((tenant, slo), [0, 0])
         counts[0] += met
         counts[1] += 1
-        self.slo_attainment.labels(tenant, slo).set(counts[0] / counts[1])
+        self.child("slo_attainment", tenant, slo).set(counts[0] / counts[1])

@@ -8,6 +8,7 @@ import sys
 
 from aiohttp import web
 
+from engine.server import freeze_startup_heap, install_fast_event_loop
 from gateway.app import DEMO_TENANT, make_app
 from gateway.config import FairgateConfig
 
@@ -34,12 +35,14 @@ def run(args: argparse.Namespace) -> int:
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port
     app = make_app(config, on_demo_key=print_demo_key)
+    app.on_startup.append(freeze_startup_heap)  # after the database and backends started
     backends = ", ".join(b.url for b in config.gateway.backends) or (
         f"embedded {config.engine.model} ({config.engine.executor})")
     print(f"fairgate gateway on http://{host}:{port} -> {backends}; "
           f"dispatch={config.gateway.dispatch}", flush=True)
     # handler_cancellation: a client that hangs up cancels its handler, which removes it from
     # the queue or aborts its engine request at once.
+    install_fast_event_loop()
     web.run_app(app, host=host, port=port, print=None, handler_cancellation=True,
                 access_log=None)
     return 0

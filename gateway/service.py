@@ -118,7 +118,7 @@ class Gateway:
             future = self.dispatcher.submit(item, self._bounds(tenant))
         except QueueFull as exc:
             self.limiter.refund(charge)
-            self.metrics.rejections.labels(tenant.name, exc.reason).inc()
+            self.metrics.child("rejections", tenant.name, exc.reason).inc()
             raise ApiError(429, str(exc), code=exc.reason, retry_after=exc.retry_after) from None
         return adm, future
 
@@ -172,7 +172,7 @@ class Gateway:
         try:
             return self.limiter.admit(tenant.name, tenant.limits, cost.total)
         except RateLimited as exc:
-            self.metrics.rejections.labels(tenant.name, exc.reason).inc()
+            self.metrics.child("rejections", tenant.name, exc.reason).inc()
             raise ApiError(429, str(exc), code=exc.reason if exc.retry_after is not None
                            else "request_too_large", retry_after=exc.retry_after) from None
 
@@ -206,17 +206,17 @@ class Gateway:
 
     def _observe(self, adm: Admission, status: int, ran: bool) -> None:
         m, name, out = self.metrics, adm.tenant.name, adm.outcome
-        m.requests.labels(name, str(status)).inc()
+        m.child("requests", name, str(status)).inc()
         if status in (429, 503) and not ran:
             reason = "queue_timeout" if adm.item.state == "removed" else "backend"
-            m.rejections.labels(name, reason).inc()
+            m.child("rejections", name, reason).inc()
         if adm.dispatched_at is not None:
             m.child("queue_time", name).observe(adm.dispatched_at - adm.arrival)
         if not ran:
             return
         m.child("e2e", name).observe(time.perf_counter() - adm.arrival)
-        m.tokens.labels(name, "in").inc(out.prompt_tokens)
-        m.tokens.labels(name, "out").inc(out.completion_tokens)
+        m.child("tokens", name, "in").inc(out.prompt_tokens)
+        m.child("tokens", name, "out").inc(out.completion_tokens)
         times = out.chunk_times
         if times and adm.job.req.stream:
             ttft = times[0] - adm.arrival
@@ -253,7 +253,7 @@ class Gateway:
                          status: int) -> None:
         """A request turned away before admission (400, 403, 404, 429, 503): usage says so."""
         name = principal.tenant.name
-        self.metrics.requests.labels(name, str(status)).inc()
+        self.metrics.child("requests", name, str(status)).inc()
         if self.ledger is None:
             return
         event = UsageEvent(tenant=name, key_id=principal.key_id,
