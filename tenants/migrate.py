@@ -8,6 +8,7 @@ nothing half-applied.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,10 @@ from tenants.db import Database
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 _PG_MIGRATION_LOCK = 0x46470001  # arbitrary, constant: "FG" + 1
+
+
+# Alembic narrates every migration step at INFO; a server's log should say what matters.
+logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def alembic_config() -> Config:
