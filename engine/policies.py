@@ -54,6 +54,8 @@ class SortedRequests:
 class WaitingQueue:
     """fcfs: arrival order (a request preempted by recompute keeps its place)."""
 
+    accounts_service = False  # True: the scheduler reports computed tokens through charge()
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._queue = SortedRequests(self.key)
@@ -119,6 +121,8 @@ class FairShareQueue(WaitingQueue):
     computed for it divided by its weight; the tenant with the smallest counter goes next. A
     tenant that becomes active starts at the smallest counter of the active tenants, so it
     cannot bank credit while idle and then starve the others."""
+
+    accounts_service = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -12,7 +12,7 @@ from engine.policies import make_waiting_queue
 from engine.request import PRIORITIES, FinishReason, Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     start: int  # position of the first token computed this step (num_computed_tokens before it)
@@ -93,11 +93,16 @@ class Scheduler:
         for request in self.running.values():
             (prefills if request.num_tokens - request.num_computed_tokens > 1 else decodes).append(
                 request)
+        block_size = self.kv.block_size
         for request in decodes + prefills:
             if step.budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step to make room
+            if (request.num_tokens - request.num_computed_tokens == 1
+                    and request.num_tokens <= len(request.block_ids) * block_size):
+                step.add(request, 1)  # the common case: a decode with room in its last block
+                continue
             num_tokens = self._chunk(request, step.budget)
             if self._allocate_or_preempt(request, num_tokens, step):
                 step.add(request, num_tokens)
@@ -229,13 +234,17 @@ class Scheduler:
         """Advance every scheduled request by its computed tokens and append sampled tokens."""
         result = StepResult()
         now = self.clock.now()
+        block_size = self.kv.block_size
+        charge = self.waiting.charge if self.waiting.accounts_service else None
         for scheduled in plan.requests:
             request = scheduled.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += scheduled.num_tokens
-            self.kv.commit(request)
-            self.waiting.charge(request, scheduled.num_tokens)
+            if request.num_computed_tokens // block_size > request.num_committed_blocks:
+                self.kv.commit(request)  # a block filled up: publish it to the prefix cache
+            if charge is not None:
+                charge(request, scheduled.num_tokens)
             token = sampled.get(request.request_id) if scheduled.samples else None
             if token is None:
                 continue
