@@ -44,8 +44,9 @@ def make_app(config: FairgateConfig | None = None, *, backends: list[Backend] | 
     app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
     store = store or TenantStore(config.database, secret=os.environ.get(SECRET_ENV) or None)
     metrics = GatewayMetrics()
-    gw = Gateway(settings, BackendPool(backends or _backends(config, lambda: gw.dispatcher.pump())),
-                 UsageLedger(store), metrics)
+    pool = BackendPool(backends or _backends(config, lambda: gw.dispatcher.pump()),
+                       headroom=settings.dispatch_headroom)
+    gw = Gateway(settings, pool, UsageLedger(store), metrics)
     app[CONFIG], app[SETTINGS], app[STORE], app[METRICS] = config, settings, store, metrics
     app[GATEWAY] = gw
     app[AUTH] = Authenticator(store, settings.admin_key)

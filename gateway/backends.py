@@ -449,9 +449,9 @@ class BackendPool:
     def model_names(self) -> list[str]:
         return list(dict.fromkeys(b.model_name for b in self.backends if b.model_name))
 
-    def seats(self) -> int:
-        """Seats of the backends that take work: what tenants' shares are shares of."""
-        return sum(b.seats() for b in self.backends if b.healthy)
+    def capacity(self) -> int:
+        """Room of the backends that take work (seats and slack): what shares are shares of."""
+        return sum(b.capacity() for b in self.backends if b.healthy)
 
     def reserved(self, backend: Backend) -> int:
         """Seats of `backend` kept for tenants under their share (at least one stays shared)."""

@@ -66,6 +66,9 @@ class GatewayConfig:
     backend_poll_interval_s: float = 0.05  # how often remote /load is read
     backend_retry_after_s: float = 5.0  # Retry-After when no backend is reachable
     backend_waiting_slack: int = 4  # engine-side waiting requests tolerated before holding back
+    # `fair`: the fraction of each backend's seats (max_num_seqs) kept free of tenants over
+    # their weighted share, so a light tenant's request starts at once; 0 turns it off
+    dispatch_headroom: float = 0.125
     demo_tenant: bool = True  # first start with no tenants: create "demo" and print its key
     log_requests: bool = False  # never logs keys or bodies; this adds tenant/status/latency lines
     vtc_input_weight: float = 1.0  # VTC cost of a prompt token
@@ -79,6 +82,11 @@ class GatewayConfig:
                      "default_output_tokens"):
             _check_int(f"gateway.{name}", getattr(self, name))
         _check_int("gateway.backend_waiting_slack", self.backend_waiting_slack, low=0)
+        if (isinstance(self.dispatch_headroom, bool)
+                or not isinstance(self.dispatch_headroom, int | float)
+                or not 0 <= self.dispatch_headroom < 1):
+            raise ValueError(f"gateway.dispatch_headroom must be a fraction in [0, 1), got "
+                             f"{self.dispatch_headroom!r}")
         for name in ("request_timeout_s", "client_timeout_s", "queue_timeout_s",
                      "output_estimate_window_s", "backend_poll_interval_s",
                      "backend_retry_after_s", "vtc_input_weight", "vtc_output_weight"):

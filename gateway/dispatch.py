@@ -4,6 +4,14 @@ It runs inline (on every push and every finish) rather than as a task woken by e
 idle gateway dispatches a request in the same event-loop turn it was admitted: no added hop.
 A ticker re-runs it for room that appears without a finish here (remote /load updates, KV
 freed by other clients of a shared engine).
+
+Headroom (`fair` only): while any tenant is over its weighted share of the seats, a few seats
+of every backend (`BackendPool.headroom`) stay free for tenants under theirs, and so do the
+engine-side waiting slots (`backend_waiting_slack`). A backlogged tenant fills the rest; a
+light tenant's request is dispatched at once and starts in the engine's next step, instead of
+waiting for a seat to turn over and then behind the backlogged tenant's slack in the engine's
+waiting queue. A tenant alone is under its share of everything, so it still uses every seat:
+no capacity idles while only one tenant has work.
 """
 
 from __future__ import annotations
@@ -33,12 +41,10 @@ class Dispatcher:
 
     def pump(self) -> None:
         while self.queue.size:
-            backend = self.pool.pick()
-            if backend is None:
+            picked = self._next()
+            if picked is None:
                 return
-            item = self.queue.pop()
-            if item is None:  # everyone queued is at their max_concurrent
-                return
+            item, backend = picked
             self._gauge(item)
             future: asyncio.Future[Backend] = item.payload
             if future.done():  # its waiter is gone; nothing ran
@@ -46,6 +52,23 @@ class Dispatcher:
                 continue
             backend.inflight += 1
             future.set_result(backend)
+
+    def _next(self) -> tuple[QueuedRequest, Backend] | None:
+        """The request to dispatch and its backend: anyone's where seats outside the headroom
+        are free, else only a tenant's under its share (into the headroom)."""
+        backend = self.pool.pick()
+        if backend is None:
+            return None
+        if self.queue.policy == "fcfs" or self.pool.headroom <= 0:
+            item = self.queue.pop()
+            return None if item is None else (item, backend)
+        shared = self.pool.pick(keep_headroom=True)
+        if shared is not None:
+            item = self.queue.pop()
+            return None if item is None else (item, shared)
+        room, weight = self.pool.capacity(), self.queue.active_weight()
+        item = self.queue.pop(lambda tq: self.queue.under_share(tq, room, weight))
+        return None if item is None else (item, backend)
 
     def abandon(self, item: QueuedRequest) -> bool:
         """The waiter gave up (timeout, disconnect). True when it was still queued."""

@@ -7,6 +7,11 @@ tokens divided by its weight; `finish` settles the difference to the actual toke
 becomes backlogged starts no lower than the current minimum, so idleness earns no credit to
 burst with later. `fcfs`: arrival order across all tenants, the baseline.
 
+Shares of seats: a tenant's weighted share of the backends' room is room * weight / the
+weights of the tenants active now or lately (SHARE_WINDOW_S, so a light tenant between two
+requests keeps its place). `pop(admit)` lets the dispatcher restrict a pick to tenants under
+their share when only the headroom it keeps for them is free (see gateway.dispatch).
+
 Bounds (queued requests, queued estimated tokens) are checked on push; a full queue answers with
 the time its tenant's recent drain rate needs to make room.
 """
@@ -22,6 +27,7 @@ from typing import Any
 
 CLASSES = ("interactive", "batch")
 DRAIN_WINDOW_S = 30.0
+SHARE_WINDOW_S = 5.0  # a tenant seen this recently still counts when seats are shared out
 _NO_DRAIN_RETRY_S = 5.0  # nothing drained lately: a guess, bounded so clients come back
 _MAX_RETRY_S = 60.0
 
@@ -70,6 +76,7 @@ class TenantQueue:
     counter: float = 0.0  # VTC virtual service, in weighted tokens
     served_tokens: float = 0.0  # weighted-free actual service, for reports and tests
     drained: deque[tuple[float, int]] = field(default_factory=deque)  # (time, cost) dispatched
+    last_active: float = float("-inf")  # last push, dispatch or finish
 
     @property
     def can_run(self) -> bool:
@@ -84,6 +91,9 @@ class TenantQueue:
             return 0.0, 0.0
         span = max(now - self.drained[0][0], 1.0)
         return len(self.drained) / span, sum(c for _, c in self.drained) / span
+
+
+Admit = Callable[[TenantQueue], bool]  # may this tenant's next request be dispatched now?
 
 
 class FairQueue:
@@ -118,6 +128,7 @@ class FairQueue:
         self._active[item.priority].add(tq.name)
         tq.queued_requests += 1
         tq.queued_tokens += item.cost
+        tq.last_active = item.enqueued_at
         self.size += 1
 
     def _tenant(self, name: str, weight: float, bounds: QueueBounds | None) -> TenantQueue:
@@ -157,9 +168,10 @@ class FairQueue:
         tq.counter = max(tq.counter, self._floor(exclude=tq.name))
 
     # ---- pop ----------------------------------------------------------------------------------
-    def pop(self) -> QueuedRequest | None:
-        """The next request to dispatch (its tenant's counter charged), or None."""
-        tq = self._pick_fcfs() if self.policy == "fcfs" else self._pick_fair()
+    def pop(self, admit: Admit | None = None) -> QueuedRequest | None:
+        """The next request to dispatch (its tenant's counter charged), or None; with `admit`,
+        only from tenants it accepts (fair only: fcfs serves arrival order or nothing)."""
+        tq = self._pick_fcfs() if self.policy == "fcfs" else self._pick_fair(admit)
         if tq is None:
             return None
         item = self._head(tq)
@@ -168,17 +180,20 @@ class FairQueue:
         self._vtime = max(self._vtime, tq.counter)
         tq.counter += self._service(item.input_tokens, item.output_tokens) / tq.weight
         tq.running += 1
-        tq.drained.append((self.clock(), item.cost))
+        tq.last_active = self.clock()
+        tq.drained.append((tq.last_active, item.cost))
         item.state = "dispatched"
         return item
 
-    def _pick_fair(self) -> TenantQueue | None:
+    def _pick_fair(self, admit: Admit | None) -> TenantQueue | None:
         for cls in CLASSES:
             best: TenantQueue | None = None
             for name in self._active[cls]:
                 tq = self.tenants[name]
-                if tq.can_run and (best is None or (tq.counter, tq.queues[cls][0].seq)
-                                   < (best.counter, best.queues[cls][0].seq)):
+                if not tq.can_run or (admit is not None and not admit(tq)):
+                    continue
+                if best is None or ((tq.counter, tq.queues[cls][0].seq)
+                                    < (best.counter, best.queues[cls][0].seq)):
                     best = tq
             if best is not None:
                 return best
@@ -230,10 +245,23 @@ class FairQueue:
         tq.counter += (actual - estimated) / tq.weight
         tq.served_tokens += input_tokens + output_tokens
         tq.running -= 1
+        tq.last_active = self.clock()
         item.state = "finished"
 
     def _service(self, input_tokens: int, output_tokens: int) -> float:
         return self.input_weight * input_tokens + self.output_weight * output_tokens
+
+    # ---- shares -------------------------------------------------------------------------------
+    def active_weight(self) -> float:
+        """The weights of the tenants that share the seats now: queued, running or lately seen."""
+        since = self.clock() - SHARE_WINDOW_S
+        return sum(tq.weight for tq in self.tenants.values()
+                   if tq.queued_requests or tq.running or tq.last_active >= since)
+
+    @staticmethod
+    def under_share(tq: TenantQueue, room: int, active_weight: float) -> bool:
+        """Fewer of `tq`'s requests run than its weighted share of `room` (requests)."""
+        return tq.running * max(active_weight, tq.weight) < room * tq.weight
 
     # ---- views --------------------------------------------------------------------------------
     def depth(self, tenant: str) -> tuple[int, int]:

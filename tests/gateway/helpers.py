@@ -65,6 +65,9 @@ class ControlledBackend:
     def capacity(self) -> int:
         return self.capacity_
 
+    def seats(self) -> int:
+        return self.capacity_
+
     def has_room(self) -> bool:
         return self.inflight < self.capacity_
 
