@@ -14,14 +14,16 @@ serves about 50 requests/s), Poisson arrivals.
 4. An interactive tenant alone, then beside a batch tenant's backlog (goal: TTFT p99 within
    1.5x).
 
-The engine runs policy `priority` under both dispatch policies, so the columns differ only in
-the gateway. With `fair` dispatch a tenant over its share never has a request waiting in the
-engine (it is held to max_num_seqs less the headroom), so the engine's waiting queue holds only
-the slack of tenants under their share, and `priority` puts interactive work first there
-(interactive work also preempts running batch work at the seat limit under every engine
-policy). The engine's own `fair` policy is not used: the engine does not know the gateway's
-tenant weights, so it would re-weight the waiting slack 1:1 and pull the 1:3 service ratio off
-its weights (measured: 2.68 instead of 3).
+The engine runs policy `fair` under both dispatch policies, so the columns differ only in the
+gateway. The gateway sends each request's tenant weight with it (`tenant_weight`), so the
+engine's per-tenant virtual token counters use the same weights as the gateway's: inside a step
+a light tenant's prefill is not queued behind a heavy tenant's new prefills, and the engine's
+ordering of its waiting slack keeps the gateway's 1:3 service ratio (the engine did not know the
+weights before: re-weighting the slack 1:1 pulled the ratio to 2.68 instead of 3). With `fair`
+dispatch a tenant over its share never has a request waiting in the engine (it is held to
+max_num_seqs less the headroom). Under `fair` the engine orders its waiting queue by tenant
+share, not by priority class; interactive work still preempts running batch work at the seat
+and block limits under every engine policy.
 
     .venv/bin/python bench/fairness.py [--duration 20] [--rate-b 8] [--repeat 1]
 """
@@ -49,7 +51,7 @@ from tuner.report import Report  # noqa: E402
 
 ENGINE = {"executor": "sim", "sim_clock": "realtime", "sim_hardware": "h100",
           "sim_model": "llama-3-8b", "max_num_seqs": 32, "max_num_batched_tokens": 2048,
-          "max_model_len": 4096, "policy": "priority"}
+          "max_model_len": 4096, "policy": "fair"}
 PROMPT, OUTPUT = 256, (16, 112)  # output tokens uniform in the range: mean 64
 Samples = dict[str, list[float]]  # measure -> TTFTs (s) pooled over repeats, or ratios
 

@@ -75,6 +75,7 @@ class _Add:
     priority: str
     arrival_time: float
     stream: asyncio.Queue[_Event]  # where its outputs go: never looked up by a reusable id
+    tenant_weight: float | None = None
 
 
 @dataclass
@@ -190,10 +191,13 @@ class AsyncEngine:
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, tenant: str = "",
-                       priority: str = "interactive") -> AsyncGenerator[RequestOutput, None]:
+                       priority: str = "interactive", tenant_weight: float | None = None,
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError (bad input) or EngineOverloaded before
-        the first output; leaving the loop early aborts the request."""
-        queue = self._open_stream(request_id, prompt_token_ids, params, tenant, priority)
+        the first output; leaving the loop early aborts the request. `tenant_weight` (if given)
+        sets the tenant's weight for the `fair` policy, see `LLMEngine.add_request`."""
+        queue = self._open_stream(request_id, prompt_token_ids, params, tenant, priority,
+                                  tenant_weight)
         finished = False
         try:
             while not finished:
@@ -209,7 +213,8 @@ class AsyncEngine:
                 self._submit(_Abort(request_id))
 
     def _open_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     tenant: str, priority: str) -> asyncio.Queue[_Event]:
+                     tenant: str, priority: str,
+                     tenant_weight: float | None = None) -> asyncio.Queue[_Event]:
         if not self.is_running:
             raise EngineStopped("the engine is not running")
         if not isinstance(prompt_token_ids, list):
@@ -221,7 +226,7 @@ class AsyncEngine:
         queue: asyncio.Queue[_Event] = asyncio.Queue()
         self._streams[request_id] = queue
         self._submit(_Add(request_id, prompt_token_ids, params, tenant, priority, self.now(),
-                          queue))
+                          queue, tenant_weight))
         return queue
 
     def _admit(self, num_tokens: int) -> None:
@@ -339,7 +344,7 @@ class AsyncEngine:
             request = self._engine.add_request(
                 command.request_id, command.prompt_token_ids, command.params,
                 tenant=command.tenant, priority=command.priority,
-                arrival_time=command.arrival_time)
+                arrival_time=command.arrival_time, tenant_weight=command.tenant_weight)
         except ValueError as exc:
             self.stats.reject(self.now(), "invalid")
             self._outbox.append((command.stream, exc))

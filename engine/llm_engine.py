@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,17 @@ class StepOutput:
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     num_batched_tokens: int = 0
     step_time: float = 0.0
+
+
+def _check_weight(weight: object) -> float:
+    """`weight` as a float; ValueError unless it is a finite number > 0."""
+    try:
+        value = float(weight) if isinstance(weight, (int, float)) else math.nan
+    except OverflowError:  # an int too large for a float
+        value = math.inf
+    if isinstance(weight, bool) or not 0 < value < math.inf:
+        raise ValueError(f"tenant weights must be finite numbers > 0, got {weight!r:.40}")
+    return value
 
 
 class LLMEngine:
@@ -59,10 +71,19 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, tenant: str = "",
-                    priority: str = "interactive", arrival_time: float | None = None) -> Request:
-        """Queue a request. Bad input raises ValueError and leaves the engine unchanged."""
+                    priority: str = "interactive", arrival_time: float | None = None,
+                    tenant_weight: float | None = None) -> Request:
+        """Queue a request. Bad input raises ValueError and leaves the engine unchanged.
+
+        `tenant_weight`, when given, becomes the tenant's fair-share weight (as with
+        `set_tenant_weights`; the latest request's weight wins)."""
         params = params or SamplingParams()
         self._validate(request_id, prompt_token_ids, params, tenant, priority)
+        if tenant_weight is not None:
+            weight = _check_weight(tenant_weight)
+            if self.tenant_weights.get(tenant) != weight:
+                self.tenant_weights[tenant] = weight
+                self._apply_tenant_weights()
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, tenant=tenant, priority=priority,
                           arrival_time=self.clock.now() if arrival_time is None else arrival_time,
@@ -109,10 +130,8 @@ class LLMEngine:
 
     def set_tenant_weights(self, weights: dict[str, float]) -> None:
         """Fair-share weights for the `fair` policy (default weight 1)."""
-        if any(not isinstance(w, (int, float)) or not 0 < w < float("inf")
-               for w in weights.values()):
-            raise ValueError("tenant weights must be finite numbers > 0")
-        self.tenant_weights.update(weights)
+        checked = {tenant: _check_weight(w) for tenant, w in weights.items()}
+        self.tenant_weights.update(checked)
         self._apply_tenant_weights()
 
     def _apply_tenant_weights(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -149,6 +150,7 @@ class GenerationRequest:
     include_usage: bool
     tenant: str
     priority: str
+    tenant_weight: float | None = None  # the tenant's weight for the engine's `fair` policy
 
 
 def parse_request(body: dict[str, Any], chat: bool, tokenizer: Tokenizer, config: EngineConfig,
@@ -167,7 +169,21 @@ def parse_request(body: dict[str, Any], chat: bool, tokenizer: Tokenizer, config
     if priority not in PRIORITIES:
         raise ApiError(400, f"'priority' must be one of: {', '.join(PRIORITIES)}", param="priority")
     return GenerationRequest(chat, prompt, sampling_params(body, max_tokens), stream,
-                             include_usage, _field(body, "tenant", (str,), ""), priority)
+                             include_usage, _field(body, "tenant", (str,), ""), priority,
+                             _tenant_weight(body))
+
+
+def _tenant_weight(body: dict[str, Any]) -> float | None:
+    value = _field(body, "tenant_weight", (int, float))
+    if value is None:
+        return None
+    try:
+        weight = float(value)
+    except OverflowError:  # an integer too large for a float
+        weight = math.inf
+    if not 0 < weight < math.inf:
+        raise ApiError(400, "'tenant_weight' must be a finite number > 0", param="tenant_weight")
+    return weight
 
 
 def _max_tokens(body: dict[str, Any], chat: bool, prompt_len: int, max_model_len: int) -> int:

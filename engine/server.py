@@ -134,7 +134,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shaper = ResponseShaper(request_id, engine.model_name, chat, parsed.include_usage)
     outputs = engine.generate(request_id, parsed.prompt_token_ids, parsed.params,
-                              tenant=parsed.tenant, priority=parsed.priority)
+                              tenant=parsed.tenant, priority=parsed.priority,
+                              tenant_weight=parsed.tenant_weight)
     # aclosing: a client that leaves (write error, cancelled handler) aborts its request
     async with contextlib.aclosing(outputs):
         first = await _first_output(outputs)

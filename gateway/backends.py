@@ -48,6 +48,7 @@ class Job:
     priority: str
     prompt_tokens: int  # as counted at admission (remote: possibly an estimate)
     max_tokens: int  # resolved: the request's own, else what the context has left
+    tenant_weight: float = 1.0  # the tenant's weight, for the engine's `fair` policy
 
 
 @dataclass
@@ -134,7 +135,8 @@ class EmbeddedBackend:
         try:
             gen = self.engine.generate(job.request_id, self.prompt_ids(job.req),
                                        sampling_params(job), tenant=job.tenant,
-                                       priority=job.priority)
+                                       priority=job.priority,
+                                       tenant_weight=job.tenant_weight)
             first = await anext(gen)
         except EngineOverloaded as exc:
             raise BackendUnavailable(str(exc), float(exc.retry_after)) from None
@@ -305,7 +307,8 @@ class RemoteBackend:
         if stream:  # always ask for usage: it settles the tenant's charge exactly
             body["stream_options"] = {"include_usage": True}
         if self.fairgate:
-            body.update(tenant=job.tenant, priority=job.priority)
+            body.update(tenant=job.tenant, priority=job.priority,
+                        tenant_weight=job.tenant_weight)
         else:
             body.pop("priority", None)
             body["cache_salt"] = job.tenant  # vLLM's per-tenant prefix-cache isolation

@@ -109,7 +109,7 @@ class Gateway:
         check_sampling(req.sampling, max_tokens)
         charge = self._charge(tenant, cost)
         job = Job(f"{_ID_PREFIX}-{next(_ids)}", req, tenant.name, priority,
-                  cost.prompt_tokens, max_tokens)
+                  cost.prompt_tokens, max_tokens, tenant.weight)
         item = QueuedRequest(tenant.name, cost.prompt_tokens, cost.output_tokens, priority,
                              tenant.weight)
         adm = Admission(self, principal, job, cost, charge, item, time.perf_counter(),

@@ -148,13 +148,24 @@ async def test_full_waiting_queue_is_overloaded_with_retry_after() -> None:
 
 
 async def test_too_many_waiting_tokens_is_overloaded() -> None:
-    engine = AsyncEngine(sim_config(max_waiting_tokens=100))
+    # max_waiting_tokens must hold one full-length request, so fill the queue first: one
+    # request holds the only seat, a second waits with 1,500 tokens, a third would pass 2,048.
+    engine = AsyncEngine(slow_config(max_num_seqs=1, max_waiting_tokens=2048))
     await engine.start()
+    waiting = engine.generate("wait", [1] * 1500, SamplingParams(max_tokens=10))
     try:
+        running = engine.generate("run", [1] * 10, SamplingParams(max_tokens=1000))
+        await anext(running)
+        pending = asyncio.create_task(anext(waiting))
+        for _ in range(100):
+            if engine.load()["waiting"]:
+                break
+            await asyncio.sleep(0.01)
         with pytest.raises(EngineOverloaded, match="max_waiting_tokens"):
-            await collect(engine, "big", prompt=[1] * 101, max_tokens=1)
+            await collect(engine, "big", prompt=[1] * 1000, max_tokens=1)
     finally:
         await engine.shutdown()
+    assert (await pending).finish_reason == "abort"
 
 
 async def test_shutdown_aborts_every_stream_and_frees_blocks() -> None:

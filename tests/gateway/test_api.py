@@ -100,18 +100,19 @@ async def test_priority_and_tenant_reach_the_engine(aiohttp_client: Any, db_url:
     h = await start_gateway(aiohttp_client, db_url,
                             tenants={"acme": {"allowed_priorities": ["batch"],
                                               "default_priority": "batch"}})
-    seen: list[tuple[str, str]] = []
+    seen: list[tuple[str, str, float | None]] = []
     backend = h.gateway.pool.primary
     generate = backend.engine.generate
 
     def spy(rid: str, ids: list[int], params: Any, tenant: str = "",
-            priority: str = "interactive") -> Any:
-        seen.append((tenant, priority))
-        return generate(rid, ids, params, tenant=tenant, priority=priority)
+            priority: str = "interactive", tenant_weight: float | None = None) -> Any:
+        seen.append((tenant, priority, tenant_weight))
+        return generate(rid, ids, params, tenant=tenant, priority=priority,
+                        tenant_weight=tenant_weight)
 
     backend.engine.generate = spy
     assert (await h.post("acme", completion())).status == 200
-    assert seen == [("acme", "batch")]  # tenant is also the engine's prefix-cache salt
+    assert seen == [("acme", "batch", 1.0)]  # tenant is also the engine's prefix-cache salt
     resp = await h.post("acme", completion(priority="interactive"))
     assert resp.status == 403
     assert (await resp.json())["error"]["code"] == "priority_not_allowed"
