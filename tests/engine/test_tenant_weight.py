@@ -15,26 +15,14 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.policies import FairShareQueue
 from engine.server import ENGINE_KEY, make_app
+from tests.engine.test_policies import admission_order, engine_with
 
 Client = TestClient[web.Request, web.Application]
 MakeClient = Callable[..., Awaitable[Client]]
 
 
 def fair_engine(**knobs: Any) -> LLMEngine:
-    settings: dict[str, Any] = dict(executor="sim", sim_model="tiny", policy="fair",
-                                    max_num_seqs=1, max_num_batched_tokens=4096,
-                                    max_model_len=4096, num_kv_blocks=1024)
-    settings.update(knobs)
-    return LLMEngine(EngineConfig(**settings))
-
-
-def admission_order(engine: LLMEngine) -> list[str]:
-    order: list[str] = []
-    while engine.has_unfinished():
-        for rid in engine.step().scheduled:
-            if rid not in order:
-                order.append(rid)
-    return order
+    return engine_with("fair", **knobs)
 
 
 def add(engine: LLMEngine, rid: str, tenant: str, at: float,
@@ -104,7 +92,7 @@ def test_bad_weight_is_a_value_error_and_changes_nothing(weight: Any) -> None:
 
 
 def test_other_policies_record_the_weight() -> None:
-    engine = fair_engine(policy="priority")
+    engine = engine_with("priority")
     add(engine, "r1", "a", 0.0, tenant_weight=2.0)
     assert engine.tenant_weights == {"a": 2.0}  # applied if the policy becomes `fair`
 
