@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)
-    except (ValueError, FileNotFoundError, PermissionError) as exc:
+    except (ValueError, OSError) as exc:  # bad input, missing files, a port already in use
         print(f"fairgate {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

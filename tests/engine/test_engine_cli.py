@@ -85,3 +85,19 @@ def test_engine_server_starts_serves_and_stops_on_sigint() -> None:
         proc.send_signal(signal.SIGINT)
         output = proc.communicate(timeout=20)[0].decode()
     assert proc.returncode in (0, 130), output
+
+
+def test_port_in_use_is_one_line_and_exit_2() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "engine", "--port", str(port),
+             "--set", "executor=sim", "--set", "sim_model=tiny", "--set", "num_kv_blocks=256"],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+            text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("fairgate engine: error: ")
+    assert "address already in use" in proc.stderr
