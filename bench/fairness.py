@@ -166,9 +166,13 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--rate-b", type=float, default=8.0)
     parser.add_argument("--repeat", type=int, default=1, help="runs pooled per measurement")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the engine's token budget: smaller steps, shorter waits for a new "
+                        "prefill (what the tuner trades against throughput)")
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="gateway queue timeout, seconds (clients wait 30 s longer)")
     args = parser.parse_args()
+    ENGINE["max_num_batched_tokens"] = args.max_num_batched_tokens
     print(f"engine: {ENGINE}\n{PROMPT} -> {OUTPUT} tokens; B and I at {args.rate_b:g}/s, "
           f"A and X at {10 * args.rate_b:g}/s; {args.duration:g} s x {args.repeat} per run")
     with tempfile.TemporaryDirectory() as tmp:
