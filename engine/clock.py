@@ -34,6 +34,3 @@ class VirtualClock:
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
             self._now += seconds
-
-    def advance_to(self, when: float) -> None:
-        self._now = max(self._now, when)

@@ -118,10 +118,6 @@ class EngineConfig:
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be <= "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens})")
 
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
-
     def replace(self, **changes: Any) -> EngineConfig:
         """A new validated config with some knobs changed (unknown knobs: ValueError)."""
         return dataclasses.replace(self, **_check_known(changes))

@@ -240,9 +240,6 @@ class KVCacheManager:
         self.host_tables[request.request_id] = host
         return mapping
 
-    def swap_in_blocks(self, request: Request) -> int:
-        return len(self.host_tables.get(request.request_id, ()))
-
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         host = self.host_tables.pop(request.request_id)
         device = self.pool.allocate(len(host))

@@ -114,7 +114,6 @@ class Request:
     # timestamps (engine clock)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    last_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -130,7 +129,6 @@ class Request:
         self.token_times.append(now)
         if self.first_token_time is None:
             self.first_token_time = now
-        self.last_token_time = now
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -148,10 +146,6 @@ class Request:
     @property
     def is_prefill(self) -> bool:
         return self.num_remaining_tokens > 1
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
     @property
     def priority_rank(self) -> int:

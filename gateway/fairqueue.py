@@ -74,7 +74,6 @@ class TenantQueue:
     queued_tokens: int = 0
     running: int = 0
     counter: float = 0.0  # VTC virtual service, in weighted tokens
-    served_tokens: float = 0.0  # weighted-free actual service, for reports and tests
     drained: deque[tuple[float, int]] = field(default_factory=deque)  # (time, cost) dispatched
     last_active: float = float("-inf")  # last push, dispatch or finish
 
@@ -243,7 +242,6 @@ class FairQueue:
         estimated = self._service(item.input_tokens, item.output_tokens)
         actual = self._service(input_tokens, output_tokens)
         tq.counter += (actual - estimated) / tq.weight
-        tq.served_tokens += input_tokens + output_tokens
         tq.running -= 1
         tq.last_active = self.clock()
         item.state = "finished"
