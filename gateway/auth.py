@@ -48,6 +48,9 @@ class Authenticator:
         now = time.monotonic()
         if self._unknown.get(digest, 0.0) > now:
             raise _invalid()
+        cached = self.store.cached_principal(digest)
+        if cached is not None:  # the common case: no task, no suspension
+            return cached
         try:
             principal = await self._lookup(digest, key)
         except Exception:  # the database is down: a retryable 503, not a 401 or a 500

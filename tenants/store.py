@@ -250,9 +250,9 @@ class TenantStore:
             return None
         key_hash = self.hash_key(plaintext)
         now = time.monotonic()
-        cached = self._cache.get(key_hash)
-        if cached is not None and cached[0] > now:
-            return cached[1]
+        cached = self.cached_principal(key_hash, now)
+        if cached is not None:
+            return cached
         principal = await self._lookup(key_hash)
         self._cache.pop(key_hash, None)
         if principal is not None:
@@ -260,6 +260,14 @@ class TenantStore:
             while len(self._cache) > _CACHE_MAX_ENTRIES:
                 self._cache.popitem(last=False)
         return principal
+
+    def cached_principal(self, key_hash: str, now: float | None = None) -> Principal | None:
+        """The principal for `key_hash` while its cache entry is fresh, without awaiting: the
+        gateway's hot path checks here before it starts a lookup."""
+        cached = self._cache.get(key_hash)
+        if cached is not None and cached[0] > (time.monotonic() if now is None else now):
+            return cached[1]
+        return None
 
     async def _lookup(self, key_hash: str) -> Principal | None:
         async def op(s: AsyncSession) -> tuple[Principal, float | None] | None:

@@ -108,6 +108,19 @@ async def test_key_authenticates_until_revoked(store: TenantStore) -> None:
     assert (await store.revoke_key(info.id)).revoked_at == revoked.revoked_at  # idempotent
 
 
+async def test_cached_principal_answers_from_the_cache_only(store: TenantStore) -> None:
+    await store.create_tenant("acme")
+    info, plaintext = await store.create_key("acme")
+    digest = store.hash_key(plaintext)
+    assert store.cached_principal(digest) is None  # not looked up yet
+    await store.authenticate_key(plaintext)
+    cached = store.cached_principal(digest)
+    assert cached is not None and cached.key_id == info.id
+    assert store.cached_principal(digest, now=time.monotonic() + store.cache_ttl + 1) is None
+    await store.revoke_key(info.id)
+    assert store.cached_principal(digest) is None
+
+
 async def test_disabled_or_deleted_tenant_is_refused_at_once(store: TenantStore) -> None:
     await store.create_tenant("acme")
     _, plaintext = await store.create_key("acme")
