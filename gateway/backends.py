@@ -18,17 +18,16 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-import aiohttp
 
 from engine.request import SamplingParams
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from gateway.config import BackendConfig
 from gateway.errors import ApiError
 from gateway.openai_format import DONE, ParsedRequest, ResponseWriter, sse
+from gateway.upstream import Response, UpstreamError, UpstreamPool
 
 log = logging.getLogger("fairgate.gateway")
 KV_HIGH_WATER = 0.95  # above this KV usage the engine is about to preempt; hold new work back
@@ -206,10 +205,9 @@ class RemoteBackend:
         self.slack = slack
         self.on_change = on_change
         self.tokenizer: Tokenizer | None = HFTokenizer(tokenizer_file) if tokenizer_file else None
-        self._session: aiohttp.ClientSession | None = None
-        self._poller: asyncio.Task[None] | None = None
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self._headers = {"Content-Type": "application/json", **headers}
+        self._http = UpstreamPool(config.base_url, headers)
+        self._poller: asyncio.Task[None] | None = None
 
     @property
     def fairgate(self) -> bool:
@@ -241,9 +239,6 @@ class RemoteBackend:
 
     # ---- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        self._session = aiohttp.ClientSession(connector=connector,
-                                              cookie_jar=aiohttp.DummyCookieJar())
         await self.refresh()
         self._poller = asyncio.create_task(self._poll(), name=f"poll {self.name}")
 
@@ -252,8 +247,7 @@ class RemoteBackend:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        if self._session is not None:
-            await self._session.close()
+        self._http.close()
 
     async def refresh(self) -> None:
         """Read /load (fairgate) or /v1/models (others); any failure marks the backend down."""
@@ -268,7 +262,7 @@ class RemoteBackend:
             elif not was:
                 await self._get_json("/v1/models")
             self.healthy = True
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        except (UpstreamError, TimeoutError, ValueError) as exc:
             if was:
                 log.warning("backend %s is down: %s", self.name, exc or type(exc).__name__)
             self.healthy = False
@@ -282,12 +276,14 @@ class RemoteBackend:
             await self.refresh()
 
     async def _get_json(self, path: str) -> dict[str, Any]:
-        assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=2.0)
-        async with self._session.get(self.config.base_url + path, headers=self._headers,
-                                     timeout=timeout) as resp:
-            resp.raise_for_status()
-            data = await resp.json(content_type=None)
+        async with asyncio.timeout(2.0):
+            resp = await self._http.request("GET", path)
+            try:
+                if resp.status >= 400:
+                    raise UpstreamError(f"GET {path}: HTTP {resp.status}")
+                data = json.loads(await resp.read())
+            finally:
+                resp.close()
         if not isinstance(data, dict):
             raise ValueError(f"{path} did not return a JSON object")
         return data
@@ -314,35 +310,51 @@ class RemoteBackend:
             body["cache_salt"] = job.tenant  # vLLM's per-tenant prefix-cache isolation
         return json.dumps(body, separators=(",", ":")).encode()
 
-    @contextlib.asynccontextmanager
-    async def _post(self, job: Job, stream: bool) -> AsyncIterator[aiohttp.ClientResponse]:
-        assert self._session is not None
+    async def _post(self, job: Job, stream: bool) -> Response:
+        """The backend's response to `job` (status < 400; the caller closes it)."""
         path = "/v1/chat/completions" if job.req.endpoint == "chat" else "/v1/completions"
         try:
-            async with self._session.post(self.config.base_url + path,
-                                          data=self._body(job, stream),
-                                          headers=self._headers) as resp:
-                if resp.status >= 400:
-                    raise await _upstream_error(resp, self.retry_after)
-                yield resp
-        except (aiohttp.ClientConnectionError, OSError) as exc:
-            self.healthy = False
-            raise BackendUnavailable(f"engine backend {self.name} unreachable: "
-                                     f"{exc or type(exc).__name__}", self.retry_after) from None
+            resp = await self._http.request("POST", path, self._body(job, stream))
+        except UpstreamError as exc:
+            raise self._unreachable(exc) from None
+        if resp.status >= 400:
+            try:
+                error = await _upstream_error(resp, self.retry_after)
+            except UpstreamError as exc:
+                raise self._unreachable(exc) from None
+            finally:
+                resp.close()
+            raise error
+        return resp
+
+    def _unreachable(self, exc: UpstreamError) -> BackendUnavailable:
+        self.healthy = False  # until the next poll finds it again
+        return BackendUnavailable(f"engine backend {self.name} unreachable: {exc}",
+                                  self.retry_after)
 
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
-        async with self._post(job, stream=True) as resp:
+        resp = await self._post(job, stream=True)
+        try:
             buffer = b""
-            async for data in resp.content.iter_any():
+            while data := await resp.next_chunk():
                 buffer += data
                 *events, buffer = buffer.split(b"\n\n")
-                out = b"".join(_pass_event(e, job, outcome) for e in events if e)
+                out = b"".join([_pass_event(e, job, outcome) for e in events if e])
                 if out:
                     yield out
+        except UpstreamError as exc:
+            raise self._unreachable(exc) from None
+        finally:
+            resp.close()
 
     async def complete(self, job: Job, outcome: Outcome) -> bytes:
-        async with self._post(job, stream=False) as resp:
+        resp = await self._post(job, stream=False)
+        try:
             raw = await resp.read()
+        except UpstreamError as exc:
+            raise self._unreachable(exc) from None
+        finally:
+            resp.close()
         try:
             body = json.loads(raw)
             usage = body.get("usage") or {}
@@ -406,7 +418,7 @@ def _pass_event(event: bytes, job: Job, outcome: Outcome) -> bytes:
     return event + b"\n\n"
 
 
-async def _upstream_error(resp: aiohttp.ClientResponse, retry_after: float) -> Exception:
+async def _upstream_error(resp: Response, retry_after: float) -> Exception:
     """An engine's error, kept in OpenAI's shape; overload becomes 503 with Retry-After."""
     raw = await resp.read()
     try:
@@ -415,7 +427,7 @@ async def _upstream_error(resp: aiohttp.ClientResponse, retry_after: float) -> E
     except (ValueError, AttributeError):
         err, message = {}, raw[:200].decode(errors="replace")
     if resp.status in (429, 503):
-        header = resp.headers.get("Retry-After", "")
+        header = resp.headers.get("retry-after", "")
         wait = float(header) if header.replace(".", "", 1).isdigit() else retry_after
         return BackendUnavailable(f"engine backend overloaded: {message}", wait)
     if resp.status >= 500:
