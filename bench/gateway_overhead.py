@@ -5,7 +5,7 @@ The engine is `fairgate engine` on the simulated executor with the virtual clock
 instant), so every millisecond measured is HTTP, JSON, admission, queueing and proxying. Three
 processes share this machine's cores: the load generator (this one), the gateway, the engine.
 
-    .venv/bin/python bench/gateway_overhead.py [--rate 200] [--duration 10] [--requests 6000]
+    .venv/bin/python bench/gateway_overhead.py [--rate 200] [--duration 10] [--rounds 3]
 
 Goals: added latency p50 <= 1 ms and p99 <= 5 ms at 200 requests/s; >= 1,000 non-streaming
 requests/s through the gateway. Beside them runs bench/bare_proxy.py, an aiohttp reverse proxy
@@ -27,11 +27,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tuner.loadgen import RunOptions, Target, run_workload  # noqa: E402
-from tuner.report import Report  # noqa: E402
+from tuner.report import Report, RequestResult, latency_stats  # noqa: E402
 from tuner.traces import TraceRequest  # noqa: E402
 
 PYTHON = sys.executable
@@ -139,11 +141,24 @@ def ms(x: float | None) -> str:
     return "   n/a" if x is None else f"{x:6.2f}"
 
 
-def latency_row(label: str, report: Report) -> str:
-    s = report.total
-    return (f"{label:<22} ok {s.completed:>5}  fail {sum(s.failed.values()):>4}  "
-            f"TTFT p50 {ms(s.ttft['median_ms'])} p99 {ms(s.ttft['p99_ms'])} ms   "
-            f"e2e p50 {ms(s.e2e['median_ms'])} p99 {ms(s.e2e['p99_ms'])} ms")
+def latency_row(label: str, results: list[RequestResult]) -> str:
+    ok = [r for r in results if r.ok]
+    ttft = latency_stats([r.ttft for r in ok if r.ttft is not None])
+    e2e = latency_stats([r.e2e for r in ok if r.e2e is not None])
+    return (f"{label:<22} ok {len(ok):>5}  fail {len(results) - len(ok):>4}  "
+            f"TTFT p50 {ms(ttft['median_ms'])} p99 {ms(ttft['p99_ms'])} ms   "
+            f"e2e p50 {ms(e2e['median_ms'])} p99 {ms(e2e['p99_ms'])} ms")
+
+
+def e2e_stats(results: list[RequestResult]) -> dict[str, float | None]:
+    return latency_stats([r.e2e for r in results if r.ok and r.e2e is not None])
+
+
+def rotated(labels: list[str], round_: int) -> list[str]:
+    """Each round starts with a different target, so drift of the machine between the first and
+    the last measurement of a round does not always land on the same one."""
+    k = round_ % len(labels)
+    return labels[k:] + labels[:k]
 
 
 async def run(args: argparse.Namespace, urls: dict[str, str], key: str) -> int:
@@ -151,15 +166,18 @@ async def run(args: argparse.Namespace, urls: dict[str, str], key: str) -> int:
     load = poisson(args.rate, args.duration, args.prompt_tokens, args.output_tokens)
     for label, url in urls.items():  # warm every path (connections, caches)
         await measure(url, key if label == GATEWAY else None, load[:200], model)
-    print(f"\n== latency at {args.rate:g} requests/s, {len(load)} streamed requests, "
-          f"{args.prompt_tokens} -> {args.output_tokens} tokens ==")
-    reports = {}
-    for label, url in urls.items():
-        reports[label] = await measure(url, key if label == GATEWAY else None, load, model)
-        print(latency_row(label, reports[label]))
-    direct = reports[DIRECT].total.e2e
+    print(f"\n== latency at {args.rate:g} requests/s, {args.rounds} rounds x {len(load)} streamed "
+          f"requests per target, {args.prompt_tokens} -> {args.output_tokens} tokens ==")
+    pooled: dict[str, list[RequestResult]] = {label: [] for label in urls}
+    for round_ in range(args.rounds):
+        for label in rotated(list(urls), round_):
+            report = await measure(urls[label], key if label == GATEWAY else None, load, model)
+            pooled[label].extend(report.results)
+    for label, results in pooled.items():
+        print(latency_row(label, results))
+    direct = e2e_stats(pooled[DIRECT])
     for label in (GATEWAY, BARE):
-        e2e = reports[label].total.e2e
+        e2e = e2e_stats(pooled[label])
         print(f"added e2e latency, {label}: p50 {e2e['median_ms'] - direct['median_ms']:+.2f} ms"
               f"   p99 {e2e['p99_ms'] - direct['p99_ms']:+.2f} ms")
     print("goals: gateway added p50 <= 1 ms, p99 <= 5 ms")
@@ -168,14 +186,19 @@ async def run(args: argparse.Namespace, urls: dict[str, str], key: str) -> int:
     # The fake server answers every request as one SSE body; the engine can answer plain JSON.
     streaming = args.backend == "fake"
     print(f"\n== throughput: {args.requests} {'streamed' if streaming else 'non-streaming'} "
-          f"requests, {args.concurrency} concurrent ==")
-    rates = {}
-    for label, url in urls.items():
-        report = await measure(url, key if label == GATEWAY else None, burst, model,
-                               max_concurrency=args.concurrency, extra_body={"stream": streaming})
-        rates[label] = report.total.request_throughput
-        print(f"{label:<22} {rates[label]:8.0f} requests/s   "
-              f"(failed {sum(report.total.failed.values())})")
+          f"requests, {args.concurrency} concurrent, median of {args.rounds} rounds ==")
+    rounds: dict[str, list[float]] = {label: [] for label in urls}
+    for round_ in range(args.rounds):
+        for label in rotated(list(urls), round_):
+            report = await measure(urls[label], key if label == GATEWAY else None, burst, model,
+                                   max_concurrency=args.concurrency,
+                                   extra_body={"stream": streaming})
+            rounds[label].append(report.total.request_throughput
+                                 if not report.failed else 0.0)
+    rates = {label: float(np.median(r)) for label, r in rounds.items()}
+    for label, rate in rates.items():
+        print(f"{label:<22} {rate:8.0f} requests/s   "
+              f"(rounds: {', '.join(f'{r:.0f}' for r in rounds[label])})")
     print(f"gateway / direct: {rates[GATEWAY] / rates[DIRECT]:.2f}   gateway / bare proxy: "
           f"{rates[GATEWAY] / rates[BARE]:.2f}   goal >= 1,000 requests/s through the gateway")
     return 0
@@ -190,6 +213,9 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--requests", type=int, default=6000)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="each target measured this many times, interleaved; latencies "
+                        "pooled, throughput the median (this machine drifts between runs)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=8)
     parser.add_argument("--backend", choices=("engine", "fake"), default="engine",
