@@ -141,10 +141,13 @@ class Scheduler:
         """Admit waiting requests in policy order; only those ranked below `outrank` (a
         priority rank) may pass a request that could not get in."""
         partial = sum(1 for r in self.running.values() if r.is_prefill and not step.completes(r))
+        first: Request | None = None
         for request in self.waiting.ordered(self.clock.now()):
             if step.budget == 0 or outrank == 0:
                 break
             if request.priority_rank >= outrank:
+                continue
+            if first is not None and not self.waiting.shares_step(first, request):
                 continue
             cached = self.kv.cached_prefix(request)
             remaining = request.num_remaining_tokens - len(cached) * self.kv.block_size
@@ -158,6 +161,7 @@ class Scheduler:
                 outrank = request.priority_rank
                 continue
             self.waiting.remove(request)
+            first = first or request
             self.kv.note_admission(request, len(cached))
             partial += is_partial
             self._start_running(request)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import POLICIES
+from engine.policies import FairShareQueue
 
 
 def engine_with(policy: str, **knobs: object) -> LLMEngine:
@@ -93,6 +94,34 @@ def test_fair_share_new_tenant_starts_at_the_current_minimum() -> None:
         add(engine, f"b{i}", prompt_len=10, max_tokens=1, tenant="b", at=100.0 + i)
     order = admission_order(engine)[:10]
     assert 4 <= sum(1 for rid in order if rid.startswith("b")) <= 6
+
+
+def first_step_prefills(engine: LLMEngine) -> set[str]:
+    return set(engine.step().scheduled)
+
+
+def set_counters(engine: LLMEngine, **counters: float) -> None:
+    queue = engine.scheduler.waiting
+    assert isinstance(queue, FairShareQueue)
+    queue.counters.update(counters)
+
+
+def test_fair_share_tenant_far_ahead_waits_for_the_next_step() -> None:
+    engine = engine_with("fair", max_num_seqs=8, max_num_batched_tokens=64)
+    add(engine, "a0", prompt_len=10, max_tokens=4, tenant="a")
+    add(engine, "b0", prompt_len=10, max_tokens=4, tenant="b")
+    set_counters(engine, a=500.0, b=0.0)  # a leads by more than one budget (64)
+    # both fit the budget, but a's prefill would lengthen the step that gives b its first token
+    assert first_step_prefills(engine) == {"b0"}
+    assert first_step_prefills(engine) == {"a0", "b0"}  # a's turn: b decodes beside it
+
+
+def test_fair_share_tenants_close_to_each_other_share_steps() -> None:
+    engine = engine_with("fair", max_num_seqs=8, max_num_batched_tokens=64)
+    add(engine, "a0", prompt_len=10, max_tokens=4, tenant="a")
+    add(engine, "b0", prompt_len=10, max_tokens=4, tenant="b")
+    set_counters(engine, a=30.0, b=0.0)  # within one budget
+    assert first_step_prefills(engine) == {"a0", "b0"}
 
 
 def test_every_policy_serves_everything() -> None:
