@@ -94,18 +94,24 @@ async def test_abort_from_another_coroutine_ends_the_stream() -> None:
         await engine.shutdown()
 
 
-async def test_leaving_the_iterator_early_aborts_the_request(engine: AsyncEngine) -> None:
-    stream = engine.generate("gone", [1, 2], SamplingParams(max_tokens=200))
-    async for _ in stream:
-        break
-    await stream.aclose()
-    for _ in range(100):
-        if engine.load()["running"] == 0:
+async def test_leaving_the_iterator_early_aborts_the_request() -> None:
+    # real-time steps: on the virtual clock 200 tokens can all be out before the abort lands
+    engine = AsyncEngine(slow_config())
+    await engine.start()
+    try:
+        stream = engine.generate("gone", [1, 2], SamplingParams(max_tokens=1000))
+        async for _ in stream:
             break
-        await asyncio.sleep(0.01)
-    assert_all_blocks_free(engine)
-    records, _ = engine.stats.recent(engine.now(), 1e9)
-    assert [r.finish_reason for r in records] == ["abort"]
+        await stream.aclose()
+        for _ in range(500):
+            if engine.load()["running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert_all_blocks_free(engine)
+        records, _ = engine.stats.recent(engine.now(), 1e9)
+        assert [r.finish_reason for r in records] == ["abort"]
+    finally:
+        await engine.shutdown()
 
 
 async def test_bad_input_raises_value_error_before_any_output(engine: AsyncEngine) -> None:
