@@ -19,9 +19,9 @@ gateway. The gateway sends each request's tenant weight with it (`tenant_weight`
 engine's per-tenant virtual token counters use the same weights as the gateway's: inside a step
 a light tenant's prefill is not queued behind a heavy tenant's new prefills, and the engine's
 ordering of its waiting slack keeps the gateway's 1:3 service ratio (the engine did not know the
-weights before: re-weighting the slack 1:1 pulled the ratio to 2.68 instead of 3), and a tenant
-more than a token budget ahead of the one whose prefill opens a step waits for the next step, so
-A's prefills do not lengthen the step that gives B its first token. With `fair`
+weights before: re-weighting the slack 1:1 pulled the ratio to 2.68 instead of 3), and A, once
+far ahead of B in service, neither joins the step that gives B its first token nor packs several
+prefills into one step that B's next request would wait behind. With `fair`
 dispatch a tenant over its share never has a request waiting in the engine (it is held to
 max_num_seqs less the headroom). Under `fair` the engine orders its waiting queue by tenant
 share, not by priority class; interactive work still preempts running batch work at the seat

@@ -87,9 +87,10 @@ class WaitingQueue:
     def charge(self, request: Request, num_tokens: int) -> None:
         """`num_tokens` of the request's tokens were computed this step."""
 
-    def shares_step(self, first: Request, other: Request) -> bool:
-        """May `other`'s prefill join a step whose first new prefill is `first`'s?"""
-        return True
+    def far_ahead(self, request: Request, active: Collection[str]) -> bool:
+        """Is `request`'s tenant so far over its share that its prefills should not lengthen
+        the steps of the `active` tenants behind it?"""
+        return False
 
 
 class PriorityQueue(WaitingQueue):
@@ -159,16 +160,16 @@ class FairShareQueue(WaitingQueue):
         weight = self.weights.get(request.tenant, 1.0)
         self.counters[request.tenant] = self.counters.get(request.tenant, 0.0) + num_tokens / weight
 
-    def shares_step(self, first: Request, other: Request) -> bool:
-        """A tenant more than one token budget ahead of the tenant whose prefill opens the step
-        waits for the next step: its prefills would lengthen the step that brings a tenant under
-        its share its first token (a 256-token prefill adds ~8 ms to an H100 step). Tenants
-        within a budget of each other share steps as before, so backlogged tenants keep their
-        weighted shares; the lead tenant loses at most a step per prefill of one behind."""
-        if other.tenant == first.tenant:
-            return True
-        lead = self.counters.get(other.tenant, 0.0) - self.counters.get(first.tenant, 0.0)
-        return lead <= self.config.max_num_batched_tokens
+    def far_ahead(self, request: Request, active: Collection[str]) -> bool:
+        """More than one token budget of weighted service ahead of the least-served active
+        tenant. Such a tenant's new prefills stay out of steps that start a tenant behind it,
+        and are few per step (see `Scheduler._schedule_waiting`): each 256-token prefill adds
+        ~8 ms to an H100 step of an 8B model, time a tenant under its share waits for its
+        first token. Tenants within a budget of each other are not limited, so backlogged
+        tenants keep their weighted shares, and a tenant alone is never far ahead."""
+        floor = min((self.counters.get(t, 0.0) for t in active), default=0.0)
+        lead = self.counters.get(request.tenant, 0.0) - floor
+        return lead > self.config.max_num_batched_tokens
 
     def ordered(self, now: float) -> Iterator[Request]:
         # Simulate charging each yielded request's prompt so one step interleaves tenants.

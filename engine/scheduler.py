@@ -11,6 +11,11 @@ from engine.kv_cache import KVCacheManager
 from engine.policies import make_waiting_queue
 from engine.request import PRIORITIES, FinishReason, Request, RequestStatus
 
+# fair: tenants far over their share add prefills to a step after its first only while the step's
+# new prefill tokens stay within 1/8 of the token budget (at 2048: one 256-token prompt, or
+# several short ones)
+FAR_AHEAD_PREFILL_SHARE = 8
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -141,17 +146,22 @@ class Scheduler:
         """Admit waiting requests in policy order; only those ranked below `outrank` (a
         priority rank) may pass a request that could not get in."""
         partial = sum(1 for r in self.running.values() if r.is_prefill and not step.completes(r))
-        first: Request | None = None
+        # fair: new prefills of tenants far over their share open a step or join one while the
+        # step's new prefill tokens stay within this cap, never a step that starts a tenant
+        # behind them (it would wait longer for its first token)
+        far_cap = self.config.max_num_batched_tokens // FAR_AHEAD_PREFILL_SHARE
+        new_tokens, light_admitted = 0, False
         for request in self.waiting.ordered(self.clock.now()):
             if step.budget == 0 or outrank == 0:
                 break
             if request.priority_rank >= outrank:
                 continue
-            if first is not None and not self.waiting.shares_step(first, request):
-                continue
             cached = self.kv.cached_prefix(request)
             remaining = request.num_remaining_tokens - len(cached) * self.kv.block_size
             num_tokens = self._chunk_tokens(remaining, step.budget)
+            far = self.waiting.far_ahead(request, self.live_per_tenant.keys())
+            if far and (light_admitted or new_tokens and new_tokens + num_tokens > far_cap):
+                continue
             is_partial = num_tokens < remaining
             if is_partial and partial >= self.config.max_num_partial_prefills:
                 continue  # one partial prefill too many: let requests that finish their prompt by
@@ -161,7 +171,8 @@ class Scheduler:
                 outrank = request.priority_rank
                 continue
             self.waiting.remove(request)
-            first = first or request
+            new_tokens += num_tokens
+            light_admitted |= not far
             self.kv.note_admission(request, len(cached))
             partial += is_partial
             self._start_running(request)

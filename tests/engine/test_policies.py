@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import POLICIES
 from engine.policies import FairShareQueue
@@ -114,6 +116,27 @@ def test_fair_share_tenant_far_ahead_waits_for_the_next_step() -> None:
     # both fit the budget, but a's prefill would lengthen the step that gives b its first token
     assert first_step_prefills(engine) == {"b0"}
     assert first_step_prefills(engine) == {"a0", "b0"}  # a's turn: b decodes beside it
+
+
+@pytest.mark.parametrize(("prompt_len", "admitted"), [(40, 1), (8, 4)])
+def test_fair_share_far_ahead_tenant_adds_few_prefills_per_step(prompt_len: int,
+                                                                 admitted: int) -> None:
+    engine = engine_with("fair", max_num_seqs=16, max_num_batched_tokens=256)  # cap: 32 tokens
+    add(engine, "b0", prompt_len=10, max_tokens=50, tenant="b")
+    engine.step()  # b is active (decoding) with nothing waiting
+    for i in range(5):
+        add(engine, f"a{i}", prompt_len=prompt_len, max_tokens=2, tenant="a")
+    set_counters(engine, a=1000.0, b=0.0)
+    # the first prefill opens the step whatever its size; more only within the cap
+    assert first_step_prefills(engine) - {"b0"} == {f"a{i}" for i in range(admitted)}
+
+
+def test_fair_share_lone_tenant_is_never_limited() -> None:
+    engine = engine_with("fair", max_num_seqs=16, max_num_batched_tokens=256)
+    for i in range(4):
+        add(engine, f"a{i}", prompt_len=40, max_tokens=2, tenant="a")
+    set_counters(engine, a=1000.0)
+    assert first_step_prefills(engine) == {"a0", "a1", "a2", "a3"}
 
 
 def test_fair_share_tenants_close_to_each_other_share_steps() -> None:
