@@ -332,6 +332,12 @@ class RemoteBackend:
         return BackendUnavailable(f"engine backend {self.name} unreachable: {exc}",
                                   self.retry_after)
 
+    def _broken(self, exc: UpstreamError) -> BackendUnavailable:
+        """A response cut off after it started: this request failed, the backend may be fine
+        (the next poll says); other requests are not turned away for it."""
+        return BackendUnavailable(f"engine backend {self.name} failed mid-response: {exc}",
+                                  self.retry_after)
+
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
         resp = await self._post(job, stream=True)
         try:
@@ -343,7 +349,7 @@ class RemoteBackend:
                 if out:
                     yield out
         except UpstreamError as exc:
-            raise self._unreachable(exc) from None
+            raise self._broken(exc) from None
         finally:
             resp.close()
 
@@ -352,7 +358,7 @@ class RemoteBackend:
         try:
             raw = await resp.read()
         except UpstreamError as exc:
-            raise self._unreachable(exc) from None
+            raise self._broken(exc) from None
         finally:
             resp.close()
         try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from aiohttp import web
+
 from engine.async_engine import AsyncEngine
 from engine.server import make_app as make_engine_app
 from tests.gateway.helpers import SIM_ENGINE, collect, completion, free_port, start_gateway
@@ -59,3 +61,30 @@ async def test_backend_dies_mid_flight(aiohttp_client: Any, aiohttp_server: Any,
     await server.close()
     resp = await h.post("acme", completion())
     assert resp.status == 503 and "Retry-After" in resp.headers
+
+
+async def test_stream_cut_mid_response_is_an_error_event_and_the_backend_stays_up(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str) -> None:
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def cut_off(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"id":"x","object":"text_completion","choices":[{"index":0,'
+                         b'"text":"a","finish_reason":null}]}\n\n')
+        assert request.transport is not None
+        request.transport.close()  # the engine dies after the first token
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", cut_off)
+    server = await aiohttp_server(app)
+    h = await start_gateway(aiohttp_client, db_url, gateway={
+        "backends": [{"url": str(server.make_url("/")), "kind": "openai"}]})
+    resp = await h.post("acme", completion(model="m", stream=True))
+    events = [e async for e in collect(resp)]
+    assert resp.status == 200 and events[0]["choices"][0]["text"] == "a"
+    assert "failed mid-response" in events[-1]["error"]["message"]
+    assert h.gateway.pool.primary.healthy  # one cut response does not turn everyone away
