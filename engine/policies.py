@@ -87,10 +87,10 @@ class WaitingQueue:
     def charge(self, request: Request, num_tokens: int) -> None:
         """`num_tokens` of the request's tokens were computed this step."""
 
-    def far_ahead(self, request: Request, active: Collection[str]) -> bool:
-        """Is `request`'s tenant so far over its share that its prefills should not lengthen
-        the steps of the `active` tenants behind it?"""
-        return False
+    def far_ahead_tenants(self, active: Collection[str]) -> frozenset[str]:
+        """Waiting tenants so far over their share that their prefills should not lengthen the
+        steps of the `active` tenants behind them."""
+        return frozenset()
 
 
 class PriorityQueue(WaitingQueue):
@@ -160,16 +160,17 @@ class FairShareQueue(WaitingQueue):
         weight = self.weights.get(request.tenant, 1.0)
         self.counters[request.tenant] = self.counters.get(request.tenant, 0.0) + num_tokens / weight
 
-    def far_ahead(self, request: Request, active: Collection[str]) -> bool:
+    def far_ahead_tenants(self, active: Collection[str]) -> frozenset[str]:
         """More than one token budget of weighted service ahead of the least-served active
         tenant. Such a tenant's new prefills stay out of steps that start a tenant behind it,
         and are few per step (see `Scheduler._schedule_waiting`): each 256-token prefill adds
         ~8 ms to an H100 step of an 8B model, time a tenant under its share waits for its
         first token. Tenants within a budget of each other are not limited, so backlogged
         tenants keep their weighted shares, and a tenant alone is never far ahead."""
-        floor = min((self.counters.get(t, 0.0) for t in active), default=0.0)
-        lead = self.counters.get(request.tenant, 0.0) - floor
-        return lead > self.config.max_num_batched_tokens
+        if len(active) < 2:
+            return frozenset()
+        limit = min(self.counters.get(t, 0.0) for t in active) + self.config.max_num_batched_tokens
+        return frozenset(t for t in self._per_tenant if self.counters.get(t, 0.0) > limit)
 
     def ordered(self, now: float) -> Iterator[Request]:
         # Simulate charging each yielded request's prompt so one step interleaves tenants.

@@ -149,18 +149,20 @@ class Scheduler:
         # fair: new prefills of tenants far over their share open a step or join one while the
         # step's new prefill tokens stay within this cap, never a step that starts a tenant
         # behind them (it would wait longer for its first token)
+        far_tenants = self.waiting.far_ahead_tenants(self.live_per_tenant.keys())
         far_cap = self.config.max_num_batched_tokens // FAR_AHEAD_PREFILL_SHARE
-        new_tokens, light_admitted = 0, False
+        new_tokens, far_closed = 0, False
         for request in self.waiting.ordered(self.clock.now()):
             if step.budget == 0 or outrank == 0:
                 break
-            if request.priority_rank >= outrank:
+            far = request.tenant in far_tenants
+            if request.priority_rank >= outrank or (far and far_closed):
                 continue
             cached = self.kv.cached_prefix(request)
             remaining = request.num_remaining_tokens - len(cached) * self.kv.block_size
             num_tokens = self._chunk_tokens(remaining, step.budget)
-            far = self.waiting.far_ahead(request, self.live_per_tenant.keys())
-            if far and (light_admitted or new_tokens and new_tokens + num_tokens > far_cap):
+            if far and new_tokens and new_tokens + num_tokens > far_cap:
+                far_closed = True
                 continue
             is_partial = num_tokens < remaining
             if is_partial and partial >= self.config.max_num_partial_prefills:
@@ -172,7 +174,7 @@ class Scheduler:
                 continue
             self.waiting.remove(request)
             new_tokens += num_tokens
-            light_admitted |= not far
+            far_closed |= not far  # a tenant behind started here: keep this step short
             self.kv.note_admission(request, len(cached))
             partial += is_partial
             self._start_running(request)
