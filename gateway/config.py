@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from engine.config import EngineConfig
 from engine.settings import load_config_file, section
@@ -35,6 +36,9 @@ class BackendConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
             raise ValueError(f"gateway.backends[].url must start with http:// or https://, "
+                             f"got {self.url!r}")
+        if not _has_host_and_port(self.url):
+            raise ValueError(f"gateway.backends[].url needs a host and a numeric port (if any), "
                              f"got {self.url!r}")
         _check_choice("gateway.backends[].kind", self.kind, BACKEND_KINDS)
         _check_int("gateway.backends[].max_inflight", self.max_inflight)
@@ -150,6 +154,16 @@ def _backend(value: Any) -> BackendConfig:
     if "url" not in value:
         raise ValueError("each gateway.backends entry needs a url")
     return BackendConfig(**value)
+
+
+def _has_host_and_port(url: str) -> bool:
+    """A host, and a port that is a number when one is given."""
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - reading it parses it: ValueError when not a valid number
+    except ValueError:
+        return False
+    return bool(parts.hostname)
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

@@ -44,10 +44,11 @@ class _Connection(asyncio.Protocol):
         self.lost = False
         self.idle_since = 0.0
         self.busy = False
+        self.paused = False
         self._reset()
 
     def _reset(self) -> None:
-        if getattr(self, "paused", False) and self.transport is not None:
+        if self.paused and self.transport is not None:
             self.transport.resume_reading()  # a body left unread stopped the reading
         self.status = 0
         self.headers: dict[str, str] = {}

@@ -34,6 +34,8 @@ def test_file_with_backends(tmp_path: Path) -> None:
     ({"max_body_bytes": True}, "gateway.max_body_bytes"),
     ({"admin_key": "short"}, "at least 16"),
     ({"backends": [{"url": "ftp://x"}]}, "must start with http"),
+    ({"backends": [{"url": "http://h:abc"}]}, "needs a host and a numeric port"),
+    ({"backends": [{"url": "http://"}]}, "needs a host"),
     ({"backends": [{"url": "http://x", "kind": "grpc"}]}, "kind must be one of"),
     ({"backends": [{"host": "x"}]}, "unknown gateway.backends setting"),
     ({"backends": "http://x"}, "must be a list"),
