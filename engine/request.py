@@ -6,8 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-PRIORITIES = ("interactive", "batch")
-PRIORITY_RANK = {"interactive": 0, "batch": 1}
+from protocol.priority import PRIORITIES, PRIORITY_RANK  # noqa: F401 - PRIORITIES re-exported
 
 
 @dataclass(frozen=True)

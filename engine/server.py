@@ -71,6 +71,7 @@ def make_app(engine: AsyncEngine, *, metrics_compat: str | None = None,
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", healthz)  # the path vLLM and SGLang serve
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/load", load)

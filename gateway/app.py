@@ -55,6 +55,7 @@ def make_app(config: FairgateConfig | None = None, *, backends: list[Backend] | 
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     admin.add_routes(app)
     app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/health", healthz)  # the path vLLM and SGLang serve
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     return app

@@ -12,7 +12,8 @@ import re
 import time
 from dataclasses import dataclass, field, fields
 
-PRIORITIES: tuple[str, ...] = ("interactive", "batch")
+from protocol.priority import PRIORITIES
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
