@@ -3,26 +3,30 @@
 The engine thread is the only one that touches the LLMEngine. Coroutines hand it requests,
 aborts and reconfigurations through a locked inbox; it blocks on a condition when idle, drains
 the inbox, steps, detokenises, and pushes each step's outputs to the event loop in one
-`call_soon_threadsafe`, where they land in per-request asyncio queues.
+`call_soon_threadsafe`, where they land in per-request asyncio queues. Turning tokens into
+outputs is engine/output_processor.py's; the phases of a live reconfiguration are
+engine/reconfigure.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.llm_engine import LLMEngine, StepOutput
-from engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.output_processor import Event, OutputProcessor, RequestOutput, Stream
+from engine.reconfigure import Reconfigurer, ReconfigureRequest
+from engine.request import FinishReason, RequestStatus, SamplingParams
 from engine.stats import RequestRecord, StatsRecorder
 from engine.tokenizer import Tokenizer
+
+__all__ = ["AsyncEngine", "EngineObserver", "EngineOverloaded", "EngineStopped", "RequestOutput"]
 
 logger = logging.getLogger("fairgate.engine")
 
@@ -37,24 +41,6 @@ class EngineOverloaded(Exception):
 
 class EngineStopped(RuntimeError):
     """The engine is not running (not started yet, or shut down)."""
-
-
-@dataclass
-class RequestOutput:
-    """One increment of a request's stream; `text` never ends inside a UTF-8 character."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    arrival_time: float
-    first_token_time: float | None = None
-    queue_time: float | None = None  # seconds from arrival to first scheduled
-    ttft: float | None = None
-    num_cached_tokens: int = 0
 
 
 class EngineObserver(Protocol):
@@ -74,7 +60,7 @@ class _Add:
     tenant: str
     priority: str
     arrival_time: float
-    stream: asyncio.Queue[_Event]  # where its outputs go: never looked up by a reusable id
+    stream: Stream  # where its outputs go: never looked up by a reusable id
     tenant_weight: float | None = None
 
 
@@ -83,27 +69,7 @@ class _Abort:
     request_id: str
 
 
-@dataclass
-class _Reconfigure:
-    config: EngineConfig
-    abort_running: bool
-    deadline: float | None  # time.monotonic() after which running work is aborted
-    future: concurrent.futures.Future[EngineConfig] = field(
-        default_factory=concurrent.futures.Future)
-
-
-@dataclass
-class _Tracked:
-    """Engine-thread state of a request in the LLMEngine."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    stop: StopStringMatcher
-    stream: asyncio.Queue[_Event]
-
-
-_Command = _Add | _Abort | _Reconfigure
-_Event = RequestOutput | BaseException
+_Command = _Add | _Abort | ReconfigureRequest
 
 
 class AsyncEngine:
@@ -117,14 +83,10 @@ class AsyncEngine:
         self._pending_requests = 0  # submitted, not yet in the LLMEngine (inbox or parked)
         self._pending_tokens = 0
         # engine thread only
-        self._tracked: dict[str, _Tracked] = {}
-        self._parked: list[_Add] = []  # arrived during a reconfiguration's drain
-        self._reconfig: _Reconfigure | None = None
-        self._outbox: list[tuple[asyncio.Queue[_Event], _Event]] = []
-        self._counter_base = {"num_preemptions": 0, "prefix_cache_queries": 0,
-                              "prefix_cache_hits": 0}
+        self._outputs = OutputProcessor(self._engine, self._record)
+        self._reconfigurer: Reconfigurer[_Add] = Reconfigurer(self._engine, self._abort_all)
         # event loop only
-        self._streams: dict[str, asyncio.Queue[_Event]] = {}
+        self._streams: dict[str, Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._reconfigure_lock = asyncio.Lock()
@@ -214,7 +176,7 @@ class AsyncEngine:
 
     def _open_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      tenant: str, priority: str,
-                     tenant_weight: float | None = None) -> asyncio.Queue[_Event]:
+                     tenant_weight: float | None = None) -> Stream:
         if not self.is_running:
             raise EngineStopped("the engine is not running")
         if not isinstance(prompt_token_ids, list):
@@ -223,7 +185,7 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is "
                              "still running")
         self._admit(len(prompt_token_ids))
-        queue: asyncio.Queue[_Event] = asyncio.Queue()
+        queue: Stream = asyncio.Queue()
         self._streams[request_id] = queue
         self._submit(_Add(request_id, prompt_token_ids, params, tenant, priority, self.now(),
                           queue, tenant_weight))
@@ -265,7 +227,7 @@ class AsyncEngine:
                 raise ValueError(f"invalid engine setting: {exc}") from None
             self._engine.check_reconfigurable(config)
             deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
-            command = _Reconfigure(config, abort_running, deadline)
+            command = ReconfigureRequest(config, abort_running, deadline)
             self._submit(command)
             return await asyncio.wrap_future(command.future)
 
@@ -316,7 +278,7 @@ class AsyncEngine:
 
     def _wait_for_work(self) -> tuple[list[_Command], bool]:
         with self._cond:
-            while not (self._inbox or self._stopping or self._reconfig is not None
+            while not (self._inbox or self._stopping or self._reconfigurer.reconfiguring
                        or self._engine.has_unfinished()):
                 self._cond.wait()
             commands, self._inbox = self._inbox, []
@@ -324,19 +286,12 @@ class AsyncEngine:
 
     def _apply(self, command: _Command) -> None:
         if isinstance(command, _Add):
-            if self._reconfig is not None:
-                self._parked.append(command)
-            else:
+            if not self._reconfigurer.park(command):
                 self._add(command)
         elif isinstance(command, _Abort):
             self._abort(command.request_id)
         else:
-            if self._reconfig is not None:  # the async side serialises; belt and braces
-                _resolve(command.future, error=RuntimeError("a reconfiguration is running"))
-                return
-            self._reconfig = command
-            if command.abort_running:
-                self._abort_all()
+            self._reconfigurer.begin(command)
 
     def _add(self, command: _Add) -> None:
         self._unpend(command)
@@ -347,11 +302,9 @@ class AsyncEngine:
                 arrival_time=command.arrival_time, tenant_weight=command.tenant_weight)
         except ValueError as exc:
             self.stats.reject(self.now(), "invalid")
-            self._outbox.append((command.stream, exc))
+            self._outputs.fail(command.stream, exc)
             return
-        self._tracked[command.request_id] = _Tracked(
-            request, IncrementalDetokenizer(self._engine.tokenizer),
-            StopStringMatcher(command.params.stop), command.stream)
+        self._outputs.track(request, command.stream)
 
     def _unpend(self, command: _Add) -> None:
         with self._cond:
@@ -359,40 +312,31 @@ class AsyncEngine:
             self._pending_tokens -= len(command.prompt_token_ids)
 
     def _abort(self, request_id: str) -> None:
-        parked = next((a for a in self._parked if a.request_id == request_id), None)
+        parked = self._reconfigurer.unpark(request_id)
         if parked is not None:
-            self._parked.remove(parked)
             self._end_parked(parked)
-        elif request_id in self._tracked:
-            self._engine.abort(request_id)
-            self._emit(request_id, [], FinishReason.ABORT)
+        else:
+            self._outputs.finish(request_id, FinishReason.ABORT)
 
     def _end_parked(self, command: _Add) -> None:
         self._unpend(command)
-        self._outbox.append((command.stream, RequestOutput(
-            command.request_id, [], "", True, FinishReason.ABORT.value,
-            len(command.prompt_token_ids), 0, command.arrival_time)))
+        self._outputs.abort_unstarted(command.stream, command.request_id,
+                                      len(command.prompt_token_ids), command.arrival_time)
 
-    def _abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
-        for request_id in list(self._tracked):
-            self._engine.finish(request_id, reason)
-            self._emit(request_id, [], reason)
+    def _abort_all(self) -> None:
+        self._outputs.finish_all(FinishReason.ABORT)
 
     def _fail_all(self) -> None:
         try:
-            self._abort_all(FinishReason.ERROR)
+            self._outputs.finish_all(FinishReason.ERROR)
         except Exception:
             logger.exception("could not fail requests cleanly")
-            self._tracked.clear()
+            self._outputs.forget_all()
 
     def _stop_all(self) -> None:
-        for command in self._parked:
+        for command in self._reconfigurer.cancel(EngineStopped("the engine shut down")):
             self._end_parked(command)
-        self._parked.clear()
         self._abort_all()
-        if self._reconfig is not None:
-            _resolve(self._reconfig.future, error=EngineStopped("the engine shut down"))
-            self._reconfig = None
 
     def _step(self) -> None:
         try:
@@ -402,127 +346,49 @@ class AsyncEngine:
             self._fail_all()
             return
         for request_id, token_ids in output.outputs.items():
-            self._emit(request_id, token_ids, output.finished.get(request_id))
+            self._outputs.emit(request_id, token_ids, output.finished.get(request_id))
         for request_id, reason in output.finished.items():
             if request_id not in output.outputs:
-                self._emit(request_id, [], reason)
+                self._outputs.emit(request_id, [], reason)
         for observer in self._observers:
             _notify(observer.on_step, output)
 
-    def _emit(self, request_id: str, token_ids: list[int], reason: FinishReason | None) -> None:
-        """Detokenise new tokens, apply stop strings, queue the output (engine thread)."""
-        tracked = self._tracked.get(request_id)
-        if tracked is None:
-            return
-        text = tracked.detokenizer.add(token_ids)
-        if reason is not None:
-            text += tracked.detokenizer.flush()
-        text = tracked.stop.feed(text, final=reason is not None)
-        if tracked.stop.stopped and reason in (None, FinishReason.LENGTH):
-            if reason is None:
-                self._engine.finish(request_id, FinishReason.STOP)
-            reason = FinishReason.STOP
-        self._outbox.append((tracked.stream, _output(tracked.request, token_ids, text, reason)))
-        if reason is not None:
-            del self._tracked[request_id]
-            self._record(tracked.request, reason)
-
-    def _record(self, request: Request, reason: FinishReason) -> None:
-        finished = request.finished_time if request.finished_time is not None else self.now()
-        record = RequestRecord(
-            request_id=request.request_id, tenant=request.tenant, priority=request.priority,
-            finish_reason=reason.value, arrival_time=request.arrival_time,
-            finished_time=finished, first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time, token_times=tuple(request.token_times),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions)
+    def _record(self, record: RequestRecord) -> None:
         self.stats.add(record)
         for observer in self._observers:
             _notify(observer.on_finished, record)
 
     def _advance_reconfigure(self) -> None:
-        command = self._reconfig
-        if command is None:
-            return
-        if command.deadline is not None and time.monotonic() >= command.deadline:
-            self._abort_all()
-        if self._engine.has_unfinished():
-            return  # still draining
-        self._reconfig = None
-        try:
-            self._rebuild(command.config)
-            _resolve(command.future, result=self._engine.config)
-        except Exception as exc:
-            _resolve(command.future, error=exc)
-        parked, self._parked = self._parked, []
-        for add in parked:
-            self._add(add)
-
-    def _rebuild(self, config: EngineConfig) -> None:
-        """Reconfigure; on failure, rebuild the old configuration so the engine keeps serving."""
-        old = self._engine.config
-        stats = self._engine.stats()
-        for key in self._counter_base:  # counters live in the scheduler being replaced
-            self._counter_base[key] += stats[key]
-        try:
-            self._engine.reconfigure(config)
-        except Exception:
-            self._engine.reconfigure(old)
-            raise
+        for command in self._reconfigurer.advance(time.monotonic()):
+            self._add(command)
 
     def _publish_snapshot(self) -> None:
         stats = self._engine.stats()
-        for key, base in self._counter_base.items():
-            stats[key] += base
         stats["waiting_tokens"] = sum(
             r.num_remaining_tokens for r in self._engine.scheduler.requests.values()
             if r.status is RequestStatus.WAITING)
         stats["max_model_len"] = self._engine.config.max_model_len
-        stats["reconfiguring"] = self._reconfig is not None
+        stats["reconfiguring"] = self._reconfigurer.reconfiguring
         stats["num_steps"] = self._engine.num_steps
         self._snapshot = stats  # one reference swap: readers see a whole snapshot
 
     def _flush(self) -> None:
-        if not self._outbox or self._loop is None:
+        if self._loop is None:
             return
-        batch, self._outbox = self._outbox, []
+        batch = self._outputs.take_outbox()
+        if not batch:
+            return
         try:
             self._loop.call_soon_threadsafe(self._dispatch, batch)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             logger.debug("event loop closed; dropped %d outputs", len(batch))
 
     # ---- event loop --------------------------------------------------------------------------
-    def _dispatch(self, batch: list[tuple[asyncio.Queue[_Event], _Event]]) -> None:
+    def _dispatch(self, batch: list[tuple[Stream, Event]]) -> None:
         # Each event goes to the stream that submitted its request, even when that client
         # left and a new stream reuses the request id (a left stream's queue is just dropped).
         for queue, event in batch:
             queue.put_nowait(event)
-
-
-def _output(request: Request, token_ids: list[int], text: str,
-            reason: FinishReason | None) -> RequestOutput:
-    first_token, scheduled = request.first_token_time, request.first_scheduled_time
-    return RequestOutput(
-        request_id=request.request_id, new_token_ids=list(token_ids), text=text,
-        finished=reason is not None, finish_reason=None if reason is None else reason.value,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=request.num_output_tokens, arrival_time=request.arrival_time,
-        first_token_time=first_token,
-        queue_time=None if scheduled is None else scheduled - request.arrival_time,
-        ttft=None if first_token is None else first_token - request.arrival_time,
-        num_cached_tokens=request.num_cached_tokens)
-
-
-def _resolve(future: concurrent.futures.Future[EngineConfig], result: EngineConfig | None = None,
-             error: BaseException | None = None) -> None:
-    if future.done():  # the awaiting coroutine was cancelled
-        return
-    if error is not None:
-        future.set_exception(error)
-    elif result is not None:
-        future.set_result(result)
 
 
 def _notify(callback: Any, value: Any) -> None:

@@ -32,7 +32,9 @@ class EngineConfig:
     # step budgets
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
-    max_model_len: int = 2048
+    # prompt + output tokens per request; None: the model's own context length (config.json's
+    # max_position_embeddings, the random:<preset>'s or the sim_model's), set by the engine
+    max_model_len: int | None = None
     long_prefill_token_threshold: int = 0  # 0: no per-request cap on a prefill chunk
     max_num_partial_prefills: int = 1
     # memory
@@ -47,6 +49,10 @@ class EngineConfig:
     policy: str = "fcfs"
     preemption: str = "recompute"
     sjf_aging_tokens_per_s: float = 1000.0  # sjf: a request's estimated work shrinks this fast while it waits
+    # fair: a tenant this much weighted service (VTC cost / weight, protocol.fairness) ahead of
+    # the least-served active tenant is far ahead (its new prefills are held back, see
+    # FairShareQueue.far_ahead_tenants); its own knob so the token budget can be tuned alone
+    fair_far_ahead_tokens: int = 2048
     # model execution
     attention_backend: str = "auto"
     # simulated executor
@@ -66,9 +72,12 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("sim_clock", self.sim_clock, SIM_CLOCKS)
         _check_choice("sim_hardware", self.sim_hardware, SIM_HARDWARE)
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
-                     "max_num_partial_prefills", "max_waiting_requests", "max_waiting_tokens"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size",
+                     "max_num_partial_prefills", "max_waiting_requests", "max_waiting_tokens",
+                     "fair_far_ahead_tokens"):
             _check_positive_int(name, getattr(self, name))
+        if self.max_model_len is not None:
+            _check_positive_int("max_model_len", self.max_model_len)
         if not _is_int(self.long_prefill_token_threshold) or self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0 disables it), "
                              f"got {self.long_prefill_token_threshold!r}")
@@ -101,22 +110,58 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): every running sequence needs one token per step; raise "
                 "max_num_batched_tokens or lower max_num_seqs")
-        if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
+        # the checks that involve max_model_len wait until it is known (see with_context_length)
+        max_model_len = self.max_model_len
+        kv_tokens = None if self.num_kv_blocks is None else self.num_kv_blocks * self.block_size
+        if max_model_len is not None and kv_tokens is not None and kv_tokens < max_model_len:
             raise ValueError(
-                f"num_kv_blocks ({self.num_kv_blocks}) x block_size ({self.block_size}) holds fewer "
-                f"tokens than max_model_len ({self.max_model_len}): one full-length request could "
-                "never run; raise num_kv_blocks or lower max_model_len")
+                f"num_kv_blocks ({self.num_kv_blocks}) x block_size ({self.block_size}) holds "
+                f"{kv_tokens} tokens, fewer than max_model_len ({max_model_len}): one full-length "
+                "request could never run; raise num_kv_blocks or lower max_model_len")
         if self.preemption == "swap" and self.swap_space_gb == 0:
             raise ValueError("preemption='swap' needs swap_space_gb > 0 (host memory for swapped "
                              "blocks); set swap_space_gb or use preemption='recompute'")
-        if self.max_waiting_tokens < self.max_model_len:
+        if max_model_len is not None and self.max_waiting_tokens < max_model_len:
             raise ValueError(
                 f"max_waiting_tokens ({self.max_waiting_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}): a full-length request could never be queued")
+                f"({max_model_len}): a full-length request could never be queued")
         if self.long_prefill_token_threshold > self.max_num_batched_tokens:
             raise ValueError(
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be <= "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+
+    @property
+    def context_source(self) -> str:
+        """Where the model's context length comes from, for messages."""
+        if self.executor == "sim":
+            return f"sim_model {self.sim_model}"
+        if self.model.startswith("random:"):
+            return f"the {self.model} preset"
+        return "max_position_embeddings in config.json"
+
+    @property
+    def resolved_max_model_len(self) -> int:
+        """max_model_len of a config the engine runs on (LLMEngine.config and the configs it
+        gives its scheduler and executor), where it is always set."""
+        if self.max_model_len is None:
+            raise RuntimeError("max_model_len is unset: only the engine's own config "
+                               "(LLMEngine.config, via with_context_length) has it resolved")
+        return self.max_model_len
+
+    def with_context_length(self, context_length: int) -> EngineConfig:
+        """This config for a model whose context is `context_length` tokens: max_model_len set
+        to it when unset, else checked against it (vLLM's rule)."""
+        source = f"{context_length}, {self.context_source}"
+        if self.max_model_len is None:
+            try:
+                return self.replace(max_model_len=context_length)
+            except ValueError as error:
+                raise ValueError(f"{error} (max_model_len is unset, so it is the model's context "
+                                 f"length: {source})") from None
+        if self.max_model_len > context_length:
+            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's "
+                             f"context length ({source}); lower max_model_len")
+        return self
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A new validated config with some knobs changed (unknown knobs: ValueError)."""

@@ -18,6 +18,9 @@ from engine.scheduler import Scheduler
 
 logger = logging.getLogger("fairgate.engine")
 
+# stats() keys that count since the engine started, across reconfigure()
+CUMULATIVE_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+
 
 @dataclass
 class StepOutput:
@@ -44,28 +47,29 @@ def _check_weight(weight: object) -> float:
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None,
                  clock: Clock | None = None) -> None:
-        self.config = config
         self.clock: Clock = clock or _default_clock(config)
         self.executor = executor or make_executor(config, self.clock)
+        # the engine runs on max_model_len resolved against the model's context (a new config)
+        self.config = config = config.with_context_length(self.executor.max_position)
         self.tokenizer = self.executor.tokenizer
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(self.executor, "eos_token_ids", ()))
         self._seq = itertools.count()
         self.tenant_weights: dict[str, float] = {}
         self.num_steps = 0
+        # counters of the schedulers that reconfigure() replaced, so stats() reports totals
+        self._retired_counters = dict.fromkeys(CUMULATIVE_COUNTERS, 0)
         self.scheduler = self._build_scheduler(config)
 
     def _build_scheduler(self, config: EngineConfig) -> Scheduler:
-        if config.max_model_len > self.executor.max_position:
-            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context "
-                             f"length ({self.executor.max_position}); lower max_model_len")
         capacity: KVCapacity = self.executor.plan_kv_capacity(config)
         self.executor.allocate_kv_cache(config, capacity)
         self.capacity = capacity
         kv = KVCacheManager(capacity.num_blocks, config.block_size, config.enable_prefix_caching,
                             capacity.num_host_blocks)
         tokens = capacity.num_blocks * config.block_size
+        max_model_len = config.resolved_max_model_len
         logger.debug("KV cache: %d blocks, %d tokens; max concurrency at max_model_len %d: %.1fx",
-                    capacity.num_blocks, tokens, config.max_model_len, tokens / config.max_model_len)
+                    capacity.num_blocks, tokens, max_model_len, tokens / max_model_len)
         return Scheduler(config, kv, self.clock, self.eos_token_ids)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -109,7 +113,7 @@ class LLMEngine:
         vocab = self.executor.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        limit = self.config.max_model_len
+        limit = self.config.resolved_max_model_len
         if len(prompt) + params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
@@ -162,12 +166,18 @@ class LLMEngine:
             "kv_usage": kv.usage,
             "num_blocks": kv.num_blocks,
             "free_blocks": kv.num_free_blocks,
-            "num_preemptions": scheduler.num_preemptions,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
+            **self._counter_totals(),
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "max_num_seqs": self.config.max_num_seqs,
         }
+
+    def _counter_totals(self) -> dict[str, int]:
+        """Cumulative counters: the live scheduler's plus those of every scheduler it replaced."""
+        scheduler, kv = self.scheduler, self.scheduler.kv
+        live = {"num_preemptions": scheduler.num_preemptions,
+                "prefix_cache_queries": kv.prefix_cache_queries,
+                "prefix_cache_hits": kv.prefix_cache_hits}
+        return {key: self._retired_counters[key] + live[key] for key in CUMULATIVE_COUNTERS}
 
     # ---- reconfiguration ---------------------------------------------------------------------
     def reconfigure(self, config: EngineConfig) -> None:
@@ -176,7 +186,10 @@ class LLMEngine:
         if self.has_unfinished():
             raise RuntimeError("reconfigure needs an idle engine: drain or abort requests first")
         self.check_reconfigurable(config)
-        self.scheduler = self._build_scheduler(config)
+        config = config.with_context_length(self.executor.max_position)
+        totals = self._counter_totals()
+        self.scheduler = self._build_scheduler(config)  # a failure keeps the old scheduler
+        self._retired_counters = totals
         self.config = config
         self._apply_tenant_weights()  # weights outlive the scheduler they were given to
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Iterator
 
 from engine.config import EngineConfig
 from engine.request import Request
+from protocol.fairness import VTC_COST
 
 SortKey = tuple[float, ...]
 
@@ -122,10 +123,11 @@ class PrefixAwareQueue(WaitingQueue):
 
 
 class FairShareQueue(WaitingQueue):
-    """fair: per-tenant virtual token counters (VTC). Each tenant's counter grows by the tokens
-    computed for it divided by its weight; the tenant with the smallest counter goes next. A
-    tenant that becomes active starts at the smallest counter of the active tenants, so it
-    cannot bank credit while idle and then starve the others."""
+    """fair: per-tenant virtual token counters (VTC). Each tenant's counter grows by the VTC cost
+    of the tokens computed for it (protocol.fairness: the cost the gateway charges too) divided
+    by its weight; the tenant with the smallest counter goes next. A tenant that becomes active
+    starts at the smallest counter of the active tenants, so it cannot bank credit while idle and
+    then starve the others."""
 
     accounts_service = True
 
@@ -158,22 +160,25 @@ class FairShareQueue(WaitingQueue):
 
     def charge(self, request: Request, num_tokens: int) -> None:
         weight = self.weights.get(request.tenant, 1.0)
-        self.counters[request.tenant] = self.counters.get(request.tenant, 0.0) + num_tokens / weight
+        cost = step_cost(request, num_tokens)
+        self.counters[request.tenant] = self.counters.get(request.tenant, 0.0) + cost / weight
 
     def far_ahead_tenants(self, active: Collection[str]) -> frozenset[str]:
-        """More than one token budget of weighted service ahead of the least-served active
-        tenant. Such a tenant's new prefills stay out of steps that start a tenant behind it,
-        and are few per step (see `Scheduler._schedule_waiting`): each 256-token prefill adds
-        ~8 ms to an H100 step of an 8B model, time a tenant under its share waits for its
-        first token. Tenants within a budget of each other are not limited, so backlogged
-        tenants keep their weighted shares, and a tenant alone is never far ahead."""
+        """More than `fair_far_ahead_tokens` of weighted service (VTC cost / weight) ahead of the
+        least-served active tenant. Such a tenant's new prefills stay out of steps that start a
+        tenant behind it, and are few per step (see `Scheduler._schedule_waiting`): each
+        256-token prefill adds ~8 ms to an H100 step of an 8B model, time a tenant under its
+        share waits for its first token. Tenants within that distance of each other are not
+        limited, so backlogged tenants keep their weighted shares, and a tenant alone is never
+        far ahead."""
         if len(active) < 2:
             return frozenset()
-        limit = min(self.counters.get(t, 0.0) for t in active) + self.config.max_num_batched_tokens
+        limit = min(self.counters.get(t, 0.0) for t in active) + self.config.fair_far_ahead_tokens
         return frozenset(t for t in self._per_tenant if self.counters.get(t, 0.0) > limit)
 
     def ordered(self, now: float) -> Iterator[Request]:
-        # Simulate charging each yielded request's prompt so one step interleaves tenants.
+        # Simulate charging each yielded request's prefill (what charge() adds if it runs whole
+        # this step) so one step interleaves tenants.
         counters = {t: self.counters.get(t, 0.0) for t in self._per_tenant}
         cursors = {t: iter(list(q)) for t, q in self._per_tenant.items()}
         heads = {t: next(c) for t, c in cursors.items()}
@@ -181,12 +186,26 @@ class FairShareQueue(WaitingQueue):
             tenant = min(heads, key=lambda t: (counters[t], heads[t].arrival_time, heads[t].seq))
             request = heads[tenant]
             yield request
-            counters[tenant] += request.num_remaining_tokens / self.weights.get(tenant, 1.0)
+            prefill = VTC_COST.cost(request.num_remaining_tokens, 1)
+            counters[tenant] += prefill / self.weights.get(tenant, 1.0)
             following = next(cursors[tenant], None)
             if following is None:
                 del heads[tenant]
             else:
                 heads[tenant] = following
+
+
+def step_cost(request: Request, num_tokens: int) -> float:
+    """VTC cost of a step that computed `num_tokens` of `request`, seen after the step advanced
+    num_computed_tokens and before its sampled token is appended: a prefill chunk's tokens (a
+    recompute's included) are input tokens, and a step that samples adds one output token. A
+    decode step computes only the previous output token, charged when it was sampled, so a
+    request that is never preempted costs VTC_COST.cost(prompt tokens, output tokens), as in
+    the gateway. (A recompute's last chunk of a single output token looks like a decode and is
+    charged like one.)"""
+    samples = request.num_computed_tokens == request.num_tokens
+    decode = samples and num_tokens == 1 and request.num_computed_tokens > request.num_prompt_tokens
+    return VTC_COST.cost(0 if decode else num_tokens, 1 if samples else 0)
 
 
 def make_waiting_queue(config: EngineConfig,

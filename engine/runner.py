@@ -137,7 +137,7 @@ class TorchExecutor:
         loaded = load_model(config.model, ops, self.device, self.dtype, config.seed)
         self.model = loaded.model
         self.model_config = loaded.config
-        self.model.init_rope(max(loaded.config.max_position, config.max_model_len))
+        self.model.init_rope(max(loaded.config.max_position, config.max_model_len or 0))
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.config.vocab_size
@@ -168,12 +168,12 @@ class TorchExecutor:
         else:
             num_blocks = self._blocks_that_fit(config, per_block)
         capacity = KVCapacity(num_blocks, num_host_blocks, per_block)
-        tokens = num_blocks * config.block_size
+        tokens, max_model_len = num_blocks * config.block_size, config.resolved_max_model_len
         logger.info("KV cache: %d blocks x %d = %d tokens (%.2f GiB, %s); maximum concurrency "
                     "at max_model_len %d: %.1f requests; %d host swap blocks",
                     num_blocks, config.block_size, tokens, num_blocks * per_block / GiB,
-                    str(self.kv_dtype(config)).removeprefix("torch."), config.max_model_len,
-                    tokens / config.max_model_len, num_host_blocks)
+                    str(self.kv_dtype(config)).removeprefix("torch."), max_model_len,
+                    tokens / max_model_len, num_host_blocks)
         return capacity
 
     def _blocks_that_fit(self, config: EngineConfig, per_block: int) -> int:
@@ -183,7 +183,7 @@ class TorchExecutor:
         weights, activations = self.weight_bytes(), self.activation_peak_bytes(config)
         budget = total * config.memory_fraction - weights - activations
         num_blocks = max(0, int(budget // per_block))
-        if num_blocks * config.block_size < config.max_model_len:
+        if num_blocks * config.block_size < config.resolved_max_model_len:
             raise ValueError(
                 f"not enough memory for the KV cache: {total / GiB:.2f} GiB of device memory x "
                 f"memory_fraction {config.memory_fraction} minus {weights / GiB:.2f} GiB of "
@@ -205,7 +205,7 @@ class TorchExecutor:
         per_token = 4 * mc.hidden_size + 3 * mc.intermediate_size  # residual, norms, MLP
         per_token += 2 * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim  # qkv, rope copies
         # the reference attention's float32 scores of one chunk against its whole context
-        scores = mc.num_heads * tokens * min(config.max_model_len, tokens) * 4
+        scores = mc.num_heads * tokens * min(config.resolved_max_model_len, tokens) * 4
         logits = 3 * config.max_num_seqs * mc.vocab_size * 4  # logits, probs, sort
         return tokens * per_token * element + scores + logits
 

@@ -280,7 +280,7 @@ class Scheduler:
                 or (not params.ignore_eos and token in self.eos_token_ids)):
             return FinishReason.STOP
         if (request.num_output_tokens >= params.max_tokens
-                or request.num_tokens >= self.config.max_model_len):
+                or request.num_tokens >= self.config.resolved_max_model_len):
             return FinishReason.LENGTH
         return None
 

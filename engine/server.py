@@ -12,7 +12,7 @@ import gc
 import logging
 import math
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -20,24 +20,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, RequestOutput
 from engine.metrics import EngineMetrics
-from engine.openai_api import (
-    ApiError,
-    GenerationRequest,
-    ResponseShaper,
-    error_body,
-    invalid_input,
+from engine.openai_api import generation_request
+from protocol.errors import ApiError
+from protocol.http import SSE_HEADERS, error_middleware
+from protocol.openai import (
+    ResponseWriter,
+    error_event,
+    invalid_value,
     parse_json_body,
     parse_request,
-    sse,
-    usage,
 )
+from protocol.sse import DONE
 
 logger = logging.getLogger("fairgate.engine.server")
 
 DEFAULT_CLIENT_MAX_SIZE = 4 * 1024 * 1024
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
 METRICS_KEY = web.AppKey("metrics", EngineMetrics)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 async def freeze_startup_heap(app: web.Application) -> None:
@@ -62,7 +61,8 @@ def install_fast_event_loop() -> None:
 def make_app(engine: AsyncEngine, *, metrics_compat: str | None = None,
              client_max_size: int = DEFAULT_CLIENT_MAX_SIZE) -> web.Application:
     """An app serving `engine`; its startup starts the engine and its cleanup shuts it down."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=client_max_size)
+    app = web.Application(middlewares=[error_middleware(logger)],
+                          client_max_size=client_max_size)
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = EngineMetrics(engine, metrics_compat)
     app.cleanup_ctx.append(_engine_context)
@@ -94,27 +94,6 @@ async def _shutdown_engine(app: web.Application) -> None:
     await app[ENGINE_KEY].shutdown()
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        error = ApiError(exc.status, exc.reason, code=_http_code(exc.status))
-        headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
-        return web.json_response(error.body(), status=exc.status, headers=headers)
-    except Exception:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        return web.json_response(error_body("internal server error", "server_error"), status=500)
-
-
-def _http_code(status: int) -> str | None:
-    return {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
-
-
 async def _read_json(request: web.Request) -> dict[str, Any]:
     return parse_json_body(await request.read())  # over client_max_size: aiohttp's 413
 
@@ -130,19 +109,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    body = await _read_json(request)
-    parsed = parse_request(body, chat, engine.tokenizer, engine.config, engine.model_name)
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    shaper = ResponseShaper(request_id, engine.model_name, chat, parsed.include_usage)
-    outputs = engine.generate(request_id, parsed.prompt_token_ids, parsed.params,
-                              tenant=parsed.tenant, priority=parsed.priority,
-                              tenant_weight=parsed.tenant_weight)
+    req = parse_request(await _read_json(request), "chat" if chat else "completions")
+    gen = generation_request(req, engine.tokenizer, engine.config.resolved_max_model_len,
+                             engine.model_name)
+    request_id = uuid.uuid4().hex
+    writer = ResponseWriter(request_id, chat, engine.model_name, req.include_usage)
+    outputs = engine.generate(request_id, gen.prompt_token_ids, gen.params, tenant=req.tenant,
+                              priority=req.priority or "interactive",
+                              tenant_weight=req.tenant_weight)
     # aclosing: a client that leaves (write error, cancelled handler) aborts its request
     async with contextlib.aclosing(outputs):
         first = await _first_output(outputs)
-        if parsed.stream:
-            return await _stream(request, shaper, first, outputs)
-        return await _whole(shaper, parsed, first, outputs)
+        if req.stream:
+            return await _stream(request, writer, first, outputs)
+        return await _whole(writer, first, outputs)
 
 
 async def _first_output(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
@@ -150,62 +130,67 @@ async def _first_output(outputs: AsyncGenerator[RequestOutput, None]) -> Request
     try:
         return await anext(outputs)
     except ValueError as exc:
-        raise invalid_input(exc) from None
+        raise invalid_value(exc) from None
     except EngineOverloaded as exc:
-        seconds = str(max(1, math.ceil(exc.retry_after)))
         raise ApiError(503, str(exc), code="engine_overloaded",
-                       headers={"Retry-After": seconds}) from None
+                       retry_after=exc.retry_after) from None
     except EngineStopped as exc:
         raise ApiError(503, str(exc), code="engine_stopped") from None
 
 
-async def _whole(shaper: ResponseShaper, parsed: GenerationRequest, first: RequestOutput,
+async def _whole(writer: ResponseWriter, first: RequestOutput,
                  outputs: AsyncGenerator[RequestOutput, None]) -> web.Response:
     last, parts = first, [first.text]
     while not last.finished:
         last = await anext(outputs)
         parts.append(last.text)
     _raise_for_failure(last)
-    counts = usage(last.num_prompt_tokens, last.num_output_tokens)
-    return web.json_response(shaper.full("".join(parts), last.finish_reason, counts))
+    return web.json_response(writer.whole("".join(parts), last.finish_reason,
+                                          last.num_prompt_tokens, last.num_output_tokens))
 
 
 def _raise_for_failure(output: RequestOutput) -> None:
+    failure = _failure(output)
+    if failure is not None:
+        raise failure
+
+
+def _failure(output: RequestOutput) -> ApiError | None:
     if output.finish_reason == "error":
-        raise ApiError(500, "the engine failed while generating this request",
-                       code="engine_error")
+        return ApiError(500, "the engine failed while generating this request",
+                        code="engine_error")
     if output.finish_reason == "abort":
-        raise ApiError(503, "the request was aborted (engine shutting down or reconfiguring)",
-                       code="request_aborted")
+        return ApiError(503, "the request was aborted (engine shutting down or reconfiguring)",
+                        code="request_aborted")
+    return None
 
 
-async def _stream(request: web.Request, shaper: ResponseShaper, first: RequestOutput,
+async def _stream(request: web.Request, writer: ResponseWriter, first: RequestOutput,
                   outputs: AsyncGenerator[RequestOutput, None]) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     try:
-        if shaper.chat:
-            await response.write(sse(shaper.chunk("", None, role=True)))
-        last = await _stream_outputs(response, shaper, first, outputs)
+        await response.write(writer.role_chunk())
+        last = await _stream_outputs(response, writer, first, outputs)
         if last.finish_reason == "error":
-            await response.write(sse(error_body("the engine failed while generating this "
-                                                "request", "server_error", code="engine_error")))
-        if shaper.include_usage:
-            counts = usage(last.num_prompt_tokens, last.num_output_tokens)
-            await response.write(sse(shaper.usage_chunk(counts)))
-        await response.write(b"data: [DONE]\n\n")
+            failure = _failure(last)
+            assert failure is not None
+            await response.write(error_event(failure))
+        if writer.include_usage:
+            await response.write(writer.usage_chunk(last.num_prompt_tokens,
+                                                    last.num_output_tokens))
+        await response.write(DONE)
     except ConnectionResetError:
-        logger.debug("client left during %s", shaper.request_id)
+        logger.debug("client left during %s", writer.id)
     return response
 
 
-async def _stream_outputs(response: web.StreamResponse, shaper: ResponseShaper,
+async def _stream_outputs(response: web.StreamResponse, writer: ResponseWriter,
                           output: RequestOutput, outputs: AsyncGenerator[RequestOutput, None]
                           ) -> RequestOutput:
     while True:
         if output.text or output.finished:
-            await response.write(sse(shaper.chunk(output.text, output.finish_reason)))
+            await response.write(writer.chunk(output.text, output.finish_reason))
         if output.finished:
             return output
         output = await anext(outputs)

@@ -73,12 +73,15 @@ class CostModel:
         else:
             free = self.hardware.memory_gb * GIB * config.memory_fraction - self.weight_bytes
             num_blocks = int(free // bytes_per_block)
-            if num_blocks * config.block_size < config.max_model_len:
+            num_blocks = max(num_blocks, 0)
+            max_model_len = config.resolved_max_model_len
+            if num_blocks * config.block_size < max_model_len:
                 raise ValueError(
-                    f"the simulated {config.sim_hardware} has room for {max(num_blocks, 0)} KV "
-                    f"blocks after {self.weight_bytes / GIB:.1f} GiB of weights, fewer than one "
-                    f"max_model_len ({config.max_model_len}) request needs; raise "
-                    "memory_fraction, lower max_model_len or pick a larger sim_hardware")
+                    f"the simulated {config.sim_hardware} has room for {num_blocks} KV blocks "
+                    f"({num_blocks * config.block_size} tokens) after "
+                    f"{self.weight_bytes / GIB:.1f} GiB of weights, fewer than one max_model_len "
+                    f"({max_model_len}) request needs; raise memory_fraction, lower "
+                    "max_model_len or pick a larger sim_hardware")
         num_host = int(config.swap_space_gb * GIB // bytes_per_block)
         return KVCapacity(num_blocks, num_host, bytes_per_block)
 

@@ -1,16 +1,22 @@
 """Per-request latency records and exact percentiles over a time window (what `GET /stats`
 returns). Histogram buckets blur the tail the tuner optimises, so the records are kept as they
-are and sorted when asked."""
+are and sorted when asked. The measures themselves (TTFT, ITL, TPOT, goodput, percentiles) are
+defined in `protocol.measures`."""
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
-QUANTILES = (50, 90, 95, 99)
+from protocol import measures
+from protocol.measures import percentile, summarize
+
+__all__ = ["RequestRecord", "StatsRecorder", "percentile", "summarize"]
+
 SUCCESS_REASONS = ("stop", "length")
 
 
@@ -32,9 +38,14 @@ class RequestRecord:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
 
+    @cached_property
+    def timing(self) -> measures.RequestTiming:
+        return measures.RequestTiming(self.arrival_time, self.token_times, self.num_output_tokens,
+                                      self.finished_time, self.finish_reason in SUCCESS_REASONS)
+
     @property
     def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return self.timing.ttft
 
     @property
     def queue_time(self) -> float | None:
@@ -44,41 +55,15 @@ class RequestRecord:
 
     @property
     def e2e(self) -> float:
-        return self.finished_time - self.arrival_time
+        return self.timing.e2e
 
     @property
-    def itls(self) -> list[float]:
-        times = self.token_times
-        return [b - a for a, b in zip(times, times[1:], strict=False)]
+    def itls(self) -> Iterator[float]:
+        return self.timing.itls
 
     @property
     def tpot(self) -> float | None:
-        """Mean time per output token after the first."""
-        if len(self.token_times) < 2:
-            return None
-        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Exact percentile with linear interpolation between order statistics (numpy's default)."""
-    if not sorted_values:
-        return math.nan
-    rank = (len(sorted_values) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
-
-
-def summarize(values: list[float]) -> dict[str, float | int | None]:
-    """count, mean, max and p50/p90/p95/p99; None instead of NaN so the result is valid JSON."""
-    if not values:
-        return {"count": 0, "mean": None, "max": None, **{f"p{q}": None for q in QUANTILES}}
-    ordered = sorted(values)
-    summary: dict[str, float | int | None] = {"count": len(ordered),
-                                              "mean": sum(ordered) / len(ordered),
-                                              "max": ordered[-1]}
-    summary.update({f"p{q}": percentile(ordered, q) for q in QUANTILES})
-    return summary
+        return self.timing.tpot
 
 
 class StatsRecorder:
@@ -158,22 +143,7 @@ def throughput(records: list[RequestRecord], elapsed: float) -> dict[str, float]
     }
 
 
-def meets_slo(record: RequestRecord, slo_ttft: float | None, slo_itl: float | None) -> bool:
-    """Good: first token within slo_ttft and mean inter-token time (TPOT) within slo_itl."""
-    ttft, tpot = record.ttft, record.tpot
-    if slo_ttft is not None and (ttft is None or ttft > slo_ttft):
-        return False
-    return slo_itl is None or tpot is None or tpot <= slo_itl
-
-
 def goodput(records: list[RequestRecord], elapsed: float, slo_ttft: float | None,
             slo_itl: float | None) -> dict[str, Any]:
-    good = [r for r in records if meets_slo(r, slo_ttft, slo_itl)]
-    return {
-        "slo_ttft": slo_ttft,
-        "slo_itl": slo_itl,
-        "requests": len(good),
-        "requests_per_s": len(good) / elapsed,
-        "output_tokens_per_s": sum(r.num_output_tokens for r in good) / elapsed,
-        "fraction": len(good) / len(records) if records else None,
-    }
+    good = measures.goodput([r.timing for r in records], elapsed, measures.SLO(slo_ttft, slo_itl))
+    return {"slo_ttft": slo_ttft, "slo_itl": slo_itl, **asdict(good)}

@@ -11,9 +11,9 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.errors import ApiError, bad_request
 from gateway.proxy import read_json
 from gateway.state import AUTH, GATEWAY, STORE
+from protocol.errors import ApiError, bad_request
 from tenants import TenantError, TenantInfo, TenantLimits
 
 

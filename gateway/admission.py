@@ -181,27 +181,16 @@ class CostEstimate:
         return self.prompt_tokens + self.output_tokens
 
 
-class ContextLengthExceeded(ValueError):
-    pass
-
-
 def estimate_cost(prompt_tokens: int, max_tokens: int | None, recent_p90: int | None,
-                  default_output: int, max_model_len: int) -> CostEstimate:
-    """The admission cost of a request; ContextLengthExceeded when it cannot fit at all."""
-    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
-            f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")
-    if prompt_tokens >= max_model_len:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {prompt_tokens} tokens, leaving no room for a completion.")
+                  default_output: int, room: int) -> CostEstimate:
+    """The admission cost of a request that fits its context (`protocol.openai.
+    resolve_max_tokens` checked that): its max_tokens, else the tenant's recent p90 output
+    length (or `default_output`), capped by the `room` the context leaves."""
     if max_tokens is not None:
         return CostEstimate(prompt_tokens, max_tokens)
     guess = recent_p90 if recent_p90 is not None else default_output
-    return CostEstimate(prompt_tokens, max(1, min(guess, max_model_len - prompt_tokens)))
+    return CostEstimate(prompt_tokens, max(1, min(guess, room)))
 
 
-__all__ = ["Charge", "ContextLengthExceeded", "CostEstimate", "OutputEstimator", "RateLimited",
+__all__ = ["Charge", "CostEstimate", "OutputEstimator", "RateLimited",
            "RateLimiter", "estimate_cost"]

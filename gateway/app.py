@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,17 +21,19 @@ from gateway.auth import Authenticator
 from gateway.backends import Backend, BackendPool, EmbeddedBackend, RemoteBackend
 from gateway.config import FairgateConfig
 from gateway.dispatch import tick
-from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.service import Gateway
 from gateway.state import AUTH, CONFIG, GATEWAY, METRICS, SETTINGS, STORE
+from protocol.http import error_middleware
 from tenants import TenantStore, UsageLedger
 
 log = logging.getLogger("fairgate.gateway")
 SECRET_ENV = "FAIRGATE_KEY_SECRET"  # the same variable the tenants CLI reads
 DEMO_TENANT = "demo"
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# a remote backend's max_model_len when neither its /load, its backends[] entry nor the engine
+# section says (engine.max_model_len unset means "the model's context", which only the engine
+# that loads the model knows); the value EngineConfig used before it followed the model
+DEFAULT_REMOTE_MAX_MODEL_LEN = 2048
 
 
 def make_app(config: FairgateConfig | None = None, *, backends: list[Backend] | None = None,
@@ -41,7 +43,8 @@ def make_app(config: FairgateConfig | None = None, *, backends: list[Backend] | 
     demo tenant's key when one is created at first start (`fairgate serve` prints it)."""
     config = config or FairgateConfig()
     settings = config.gateway
-    app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware(log)],
+                          client_max_size=settings.max_body_bytes)
     store = store or TenantStore(config.database, secret=os.environ.get(SECRET_ENV) or None)
     metrics = GatewayMetrics()
     pool = BackendPool(backends or _backends(config, lambda: gw.dispatcher.pump()),
@@ -67,7 +70,8 @@ def _backends(config: FairgateConfig, on_change: Callable[[], None]) -> list[Bac
         from engine.async_engine import AsyncEngine  # torch is imported only when embedded
 
         return [EmbeddedBackend(AsyncEngine(config.engine), settings.backend_waiting_slack)]
-    return [RemoteBackend(b, default_max_model_len=config.engine.max_model_len,
+    default_max_model_len = config.engine.max_model_len or DEFAULT_REMOTE_MAX_MODEL_LEN
+    return [RemoteBackend(b, default_max_model_len=default_max_model_len,
                           tokenizer_file=settings.tokenizer,
                           poll_interval=settings.backend_poll_interval_s,
                           retry_after=settings.backend_retry_after_s,
@@ -117,27 +121,6 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error in OpenAI's shape; an unexpected one is logged (without the body) as 500."""
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return exc.response()
-    except web.HTTPRequestEntityTooLarge:
-        return ApiError(413, "the request body is too large", code="request_too_large").response()
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"),
-                        ).response()
-    except (asyncio.CancelledError, ConnectionError):
-        raise
-    except Exception:
-        log.exception("unexpected error in %s %s", request.method, request.path)
-        return ApiError(500, "internal gateway error", code="internal_error").response()
 
 
 async def metrics_handler(request: web.Request) -> web.Response:

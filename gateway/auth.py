@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 from aiohttp import web
 
-from gateway.errors import ApiError
+from protocol.errors import ApiError
 from tenants import Principal, TenantStore
 
 _NEGATIVE_TTL_S = 5.0

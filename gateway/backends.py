@@ -25,9 +25,16 @@ from typing import Any, Protocol
 from engine.request import SamplingParams
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from gateway.config import BackendConfig
-from gateway.errors import ApiError
-from gateway.openai_format import DONE, ParsedRequest, ResponseWriter, sse
 from gateway.upstream import Response, UpstreamError, UpstreamPool
+from protocol.errors import ApiError
+from protocol.openai import (
+    OpenAIRequest,
+    ResponseWriter,
+    prompt_text,
+    prompt_token_ids,
+    token_choices,
+)
+from protocol.sse import DONE, SSEReader, encode_event, sse_json
 
 log = logging.getLogger("fairgate.gateway")
 KV_HIGH_WATER = 0.95  # above this KV usage the engine is about to preempt; hold new work back
@@ -42,12 +49,23 @@ class BackendUnavailable(Exception):
 @dataclass
 class Job:
     request_id: str
-    req: ParsedRequest
+    req: OpenAIRequest
     tenant: str
     priority: str
     prompt_tokens: int  # as counted at admission (remote: possibly an estimate)
-    max_tokens: int  # resolved: the request's own, else what the context has left
+    params: SamplingParams  # max_tokens resolved: the request's own, else the context's room
     tenant_weight: float = 1.0  # the tenant's weight, for the engine's `fair` policy
+    # The client set no max_tokens and no tenant limit capped the default: a remote engine
+    # applies the same default (protocol.openai) to its own exact prompt count.
+    default_max_tokens: bool = False
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    def writer(self) -> ResponseWriter:
+        return ResponseWriter(self.request_id, self.req.chat, self.req.model or "",
+                              self.req.include_usage)
 
 
 @dataclass
@@ -71,7 +89,7 @@ class Backend(Protocol):
     def capacity(self) -> int: ...
     def seats(self) -> int: ...
     def has_room(self) -> bool: ...
-    def count_prompt(self, req: ParsedRequest) -> int: ...
+    def count_prompt(self, req: OpenAIRequest) -> int: ...
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]: ...
@@ -86,10 +104,6 @@ def room_from_load(load: dict[str, Any], inflight: int, slack: int) -> bool:
     if inflight >= int(load.get("max_num_seqs", 64)) + slack:
         return False
     return inflight == 0 or float(load.get("kv_usage", 0.0)) < KV_HIGH_WATER
-
-
-def sampling_params(job: Job) -> SamplingParams:
-    return SamplingParams(max_tokens=job.max_tokens, **job.req.sampling)
 
 
 class EmbeddedBackend:
@@ -114,13 +128,8 @@ class EmbeddedBackend:
     def has_room(self) -> bool:
         return room_from_load(self.engine.load(), self.inflight, self.slack)
 
-    def count_prompt(self, req: ParsedRequest) -> int:
-        return len(self.prompt_ids(req))
-
-    def prompt_ids(self, req: ParsedRequest) -> list[int]:
-        if isinstance(req.prompt, list):
-            return req.prompt
-        return self.tokenizer.encode(req.prompt)
+    def count_prompt(self, req: OpenAIRequest) -> int:
+        return len(prompt_token_ids(req, self.tokenizer))
 
     async def start(self) -> None:
         await self.engine.start()
@@ -132,8 +141,8 @@ class EmbeddedBackend:
         from engine.async_engine import EngineOverloaded
 
         try:
-            gen = self.engine.generate(job.request_id, self.prompt_ids(job.req),
-                                       sampling_params(job), tenant=job.tenant,
+            gen = self.engine.generate(job.request_id, prompt_token_ids(job.req, self.tokenizer),
+                                       job.params, tenant=job.tenant,
                                        priority=job.priority,
                                        tenant_weight=job.tenant_weight)
             first = await anext(gen)
@@ -155,17 +164,20 @@ class EmbeddedBackend:
             await gen.aclose()  # early close aborts the engine request
 
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
-        writer = ResponseWriter(job.request_id, job.req.endpoint, job.req.model)
-        async for out in self._outputs(job):
+        writer = job.writer()
+        opening = writer.role_chunk()  # sent with the first output: errors before it keep
+        async for out in self._outputs(job):  # their status code
             _note(outcome, out)
             if out.text or out.finished:
-                yield writer.chunk(out.text, outcome.finish_reason if out.finished else None)
+                yield opening + writer.chunk(out.text,
+                                             outcome.finish_reason if out.finished else None)
+                opening = b""
         if job.req.include_usage:
             yield writer.usage_chunk(outcome.prompt_tokens, outcome.completion_tokens)
         yield DONE
 
     async def complete(self, job: Job, outcome: Outcome) -> bytes:
-        writer = ResponseWriter(job.request_id, job.req.endpoint, job.req.model)
+        writer = job.writer()
         parts = []
         async for out in self._outputs(job):
             _note(outcome, out)
@@ -230,12 +242,10 @@ class RemoteBackend:
             return room_from_load(self.load, self.inflight, self.slack)
         return self.inflight < self.config.max_inflight
 
-    def count_prompt(self, req: ParsedRequest) -> int:
-        if isinstance(req.prompt, list):
-            return len(req.prompt)
-        if self.tokenizer is not None:
-            return len(self.tokenizer.encode(req.prompt))
-        return len(req.prompt.encode()) // 4 + 1  # documented estimate: ~4 bytes per token
+    def count_prompt(self, req: OpenAIRequest) -> int:
+        if self.tokenizer is not None or isinstance(req.prompt, list):
+            return len(prompt_token_ids(req, self.tokenizer or ByteTokenizer()))
+        return len(prompt_text(req).encode()) // 4 + 1  # documented estimate: ~4 bytes a token
 
     # ---- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -300,6 +310,8 @@ class RemoteBackend:
         body = dict(job.req.body)
         body.update(model=self.model_name, stream=stream, max_tokens=job.max_tokens)
         body.pop("max_completion_tokens", None)
+        if job.default_max_tokens:
+            del body["max_tokens"]
         if stream:  # always ask for usage: it settles the tenant's charge exactly
             body["stream_options"] = {"include_usage": True}
         if self.fairgate:
@@ -340,12 +352,10 @@ class RemoteBackend:
 
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
         resp = await self._post(job, stream=True)
+        reader = SSEReader()
         try:
-            buffer = b""
             while data := await resp.next_chunk():
-                buffer += data
-                *events, buffer = buffer.split(b"\n\n")
-                out = b"".join([_pass_event(e, job, outcome) for e in events if e])
+                out = b"".join([_pass_event(e.data, job, outcome) for e in reader.feed(data)])
                 if out:
                     yield out
         except UpstreamError as exc:
@@ -377,27 +387,24 @@ class RemoteBackend:
 
 _PLAIN_TOKEN, _PLAIN_TOKEN_SPACED = b'"finish_reason":null', b'"finish_reason": null'
 _USAGE, _USAGE_SPACED = b'"usage":{', b'"usage": {'
-_ERROR = b'"error"'
+_ERROR, _ROLE = b'"error"', b'"role"'
 
 
-def _pass_event(event: bytes, job: Job, outcome: Outcome) -> bytes:
-    """One SSE event of the backend's stream: note tokens and usage, drop the usage event the
-    client did not ask for, pass the rest through byte for byte."""
-    if not event.startswith(b"data:"):
-        return b""  # comments and keep-alives
-    if (_PLAIN_TOKEN in event or _PLAIN_TOKEN_SPACED in event) and _ERROR not in event and (
-            _USAGE not in event and _USAGE_SPACED not in event):
+def _pass_event(data: bytes, job: Job, outcome: Outcome) -> bytes:
+    """One SSE event's data from the backend: note tokens and usage, drop the usage event the
+    client did not ask for, pass the rest on (re-encoded with LF line ends)."""
+    if (_PLAIN_TOKEN in data or _PLAIN_TOKEN_SPACED in data) and _ERROR not in data and (
+            _USAGE not in data and _USAGE_SPACED not in data and _ROLE not in data):
         # The common case, a token and nothing else, needs no JSON parse. These byte patterns
         # cannot come from generated text: JSON escapes the quotes inside strings.
         outcome.chunk_times.append(time.perf_counter())
         if not outcome.usage_reported:
             outcome.completion_tokens += 1
-        return event + b"\n\n"
-    payload = event[5:].strip()
-    if payload == b"[DONE]":
+        return encode_event(data)
+    if data.strip() == b"[DONE]":
         return DONE
     try:
-        obj = json.loads(payload)
+        obj = json.loads(data)
     except ValueError:
         return b""
     if not isinstance(obj, dict):
@@ -409,19 +416,20 @@ def _pass_event(event: bytes, job: Job, outcome: Outcome) -> bytes:
         outcome.usage_reported = True
     choices = obj.get("choices")
     if "error" in obj:
-        return sse(obj)
+        return sse_json(obj)
     if not choices:
-        return event + b"\n\n" if (usage and job.req.include_usage) else b""
-    outcome.chunk_times.append(time.perf_counter())
-    if not outcome.usage_reported:
-        outcome.completion_tokens += 1
+        return encode_event(data) if (usage and job.req.include_usage) else b""
+    if token_choices(choices):
+        outcome.chunk_times.append(time.perf_counter())
+        if not outcome.usage_reported:
+            outcome.completion_tokens += 1
     reason = choices[0].get("finish_reason")
     if reason:
         outcome.finish_reason = reason
     if usage and not job.req.include_usage:
         obj.pop("usage")
-        return sse(obj)
-    return event + b"\n\n"
+        return sse_json(obj)
+    return encode_event(data)
 
 
 async def _upstream_error(resp: Response, retry_after: float) -> Exception:

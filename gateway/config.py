@@ -31,7 +31,9 @@ class BackendConfig:
     api_key: str | None = None
     model: str | None = None  # the model name to send; None: the server's first /v1/models id
     max_inflight: int = 64  # the dispatch bound when the server has no /load
-    max_model_len: int | None = None  # None: from /load, else the engine section's value
+    # None: from /load, else the engine section's value, else 2048
+    # (gateway.app.DEFAULT_REMOTE_MAX_MODEL_LEN)
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
@@ -75,8 +77,6 @@ class GatewayConfig:
     dispatch_headroom: float = 0.125
     demo_tenant: bool = True  # first start with no tenants: create "demo" and print its key
     log_requests: bool = False  # never logs keys or bodies; this adds tenant/status/latency lines
-    vtc_input_weight: float = 1.0  # VTC cost of a prompt token
-    vtc_output_weight: float = 2.0  # VTC cost of an output token (decode is dearer per token)
 
     def __post_init__(self) -> None:
         _check_choice("gateway.dispatch", self.dispatch, DISPATCH_POLICIES)
@@ -93,7 +93,7 @@ class GatewayConfig:
                              f"{self.dispatch_headroom!r}")
         for name in ("request_timeout_s", "client_timeout_s", "queue_timeout_s",
                      "output_estimate_window_s", "backend_poll_interval_s",
-                     "backend_retry_after_s", "vtc_input_weight", "vtc_output_weight"):
+                     "backend_retry_after_s"):
             _check_float(f"gateway.{name}", getattr(self, name))
         if self.admin_key is not None and (not isinstance(self.admin_key, str)
                                            or len(self.admin_key) < 16):

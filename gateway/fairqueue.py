@@ -2,8 +2,9 @@
 
 `fair`: the interactive class always goes before batch (batch fills idle capacity); within a
 class the backlogged tenant with the smallest virtual token counter goes next (VTC, Sheng et al.
-2024). A dispatch charges the tenant's counter with the request's estimated input and output
-tokens divided by its weight; `finish` settles the difference to the actual tokens. A tenant that
+2024). A dispatch charges the tenant's counter with the VTC cost (protocol.fairness, the cost the
+engine's `fair` policy charges too) of the request's estimated input and output tokens divided
+by its weight; `finish` settles the difference to the actual tokens. A tenant that
 becomes backlogged starts no lower than the current minimum, so idleness earns no credit to
 burst with later. `fcfs`: arrival order across all tenants, the baseline.
 
@@ -24,6 +25,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from protocol.fairness import VTC_COST, VTCCost
 
 CLASSES = ("interactive", "batch")
 DRAIN_WINDOW_S = 30.0
@@ -96,13 +99,12 @@ Admit = Callable[[TenantQueue], bool]  # may this tenant's next request be dispa
 
 
 class FairQueue:
-    def __init__(self, policy: str = "fair", input_weight: float = 1.0,
-                 output_weight: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, policy: str = "fair", cost: VTCCost = VTC_COST,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if policy not in ("fair", "fcfs"):
             raise ValueError(f"dispatch policy must be fair or fcfs, got {policy!r}")
         self.policy = policy
-        self.input_weight = input_weight
-        self.output_weight = output_weight
+        self.cost = cost
         self.clock = clock
         self.tenants: dict[str, TenantQueue] = {}
         self._active: dict[str, set[str]] = {c: set() for c in CLASSES}  # backlogged tenants
@@ -177,7 +179,7 @@ class FairQueue:
         assert item is not None
         self._take(tq, item)
         self._vtime = max(self._vtime, tq.counter)
-        tq.counter += self._service(item.input_tokens, item.output_tokens) / tq.weight
+        tq.counter += self.cost.cost(item.input_tokens, item.output_tokens) / tq.weight
         tq.running += 1
         tq.last_active = self.clock()
         tq.drained.append((tq.last_active, item.cost))
@@ -239,15 +241,12 @@ class FairQueue:
         if item.state != "dispatched":
             return
         tq = self.tenants[item.tenant]
-        estimated = self._service(item.input_tokens, item.output_tokens)
-        actual = self._service(input_tokens, output_tokens)
+        estimated = self.cost.cost(item.input_tokens, item.output_tokens)
+        actual = self.cost.cost(input_tokens, output_tokens)
         tq.counter += (actual - estimated) / tq.weight
         tq.running -= 1
         tq.last_active = self.clock()
         item.state = "finished"
-
-    def _service(self, input_tokens: int, output_tokens: int) -> float:
-        return self.input_weight * input_tokens + self.output_weight * output_tokens
 
     # ---- shares -------------------------------------------------------------------------------
     def active_weight(self) -> float:

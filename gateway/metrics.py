@@ -8,6 +8,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from protocol.measures import SLO, RequestTiming, attainment
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
@@ -57,12 +59,26 @@ class GatewayMetrics:
             found = self._children[key] = getattr(self, metric).labels(*labels)
         return found
 
-    def observe_slo(self, tenant: str, slo: str, value: float, target: float | None) -> None:
-        if target is None:
-            return
-        met = value <= target
+    def observe_stream(self, tenant: str, timing: RequestTiming, slo: SLO) -> None:
+        """One streamed request: its TTFT and ITL gaps when it succeeded (as the engine's and the
+        benchmark's latencies are), and a check against each target the tenant has set, which a
+        failed or turned-away request misses."""
+        ttft = timing.ttft
+        if timing.ok and ttft is not None:
+            self.child("ttft", tenant).observe(ttft)
+            itl = self.child("itl", tenant)
+            for gap in timing.itls:
+                itl.observe(gap)
+        if slo.ttft_s is not None:
+            self.observe_slo(tenant, "ttft", timing.meets_ttft(slo), slo.target)
+        if slo.itl_s is not None:
+            self.observe_slo(tenant, "itl", timing.meets_tpot(slo), slo.target)
+
+    def observe_slo(self, tenant: str, slo: str, met: bool, target: float) -> None:
         self.child("slo_checked", tenant, slo, "true" if met else "false").inc()
         counts = self._slo_counts.setdefault((tenant, slo), [0, 0])
         counts[0] += met
         counts[1] += 1
-        self.child("slo_attainment", tenant, slo).set(counts[0] / counts[1])
+        fraction = attainment(counts[0], counts[1], target)["fraction"]
+        if fraction is not None:
+            self.child("slo_attainment", tenant, slo).set(fraction)

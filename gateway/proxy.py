@@ -10,23 +10,24 @@ charged nothing.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
 from aiohttp import web
 
 from gateway.backends import Backend, BackendUnavailable
-from gateway.errors import ApiError, bad_request
-from gateway.openai_format import ParsedRequest, parse_request, sse_error
 from gateway.service import Admission
 from gateway.state import AUTH, GATEWAY, SETTINGS
+from protocol.errors import ApiError
+from protocol.http import SSE_HEADERS
+from protocol.openai import OpenAIRequest, error_event, parse_json_body, parse_request
+from protocol.sse import DONE
 
 log = logging.getLogger("fairgate.gateway")
 CLIENT_GONE = 499  # nginx's code for "client closed request", recorded in usage
 
 
-async def read_json(request: web.Request) -> Any:
+async def read_json(request: web.Request) -> dict[str, Any]:
     settings = request.app[SETTINGS]
     length = request.content_length
     if length is not None and length > settings.max_body_bytes:
@@ -39,13 +40,7 @@ async def read_json(request: web.Request) -> Any:
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within "
                        f"{settings.client_timeout_s:g} s", code="client_timeout") from None
-    if not raw:
-        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}",
-                          code="invalid_json") from None
+    return parse_json_body(raw)
 
 
 def _too_large(limit: int) -> ApiError:
@@ -64,7 +59,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _handle(request: web.Request, endpoint: str) -> web.StreamResponse:
     principal = await request.app[AUTH].tenant(request)
     gw = request.app[GATEWAY]
-    req: ParsedRequest | None = None
+    req: OpenAIRequest | None = None
     try:
         req = parse_request(await read_json(request), endpoint)
         adm, future = await gw.admit(principal, req)
@@ -107,9 +102,7 @@ async def _stream(request: web.Request, adm: Admission, backend: Backend) -> web
         # Wait for the first event before sending headers: errors that come before any token
         # (bad params, overload) still get a proper status code.
         first = await anext(events, b"")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
+        resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         status = await _pump(resp, first, events)
         adm.settle(status)
@@ -126,7 +119,7 @@ async def _pump(resp: web.StreamResponse, first: bytes, events: Any) -> int:
             await resp.write(chunk)
     except (ApiError, BackendUnavailable) as exc:
         err = exc if isinstance(exc, ApiError) else ApiError(503, str(exc), code="backend_error")
-        await resp.write(sse_error(err))
+        await resp.write(error_event(err) + DONE)
         await resp.write_eof()
         return err.status
     await resp.write_eof()

@@ -16,9 +16,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from engine.openai_api import sampling_params
 from gateway.admission import (
     Charge,
-    ContextLengthExceeded,
     CostEstimate,
     OutputEstimator,
     RateLimited,
@@ -28,10 +28,11 @@ from gateway.admission import (
 from gateway.backends import Backend, BackendPool, Job, Outcome
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
-from gateway.errors import ApiError, bad_request
 from gateway.fairqueue import FairQueue, QueueBounds, QueuedRequest, QueueFull
 from gateway.metrics import GatewayMetrics
-from gateway.openai_format import ParsedRequest, check_sampling
+from protocol.errors import ApiError, bad_request
+from protocol.measures import SLO, RequestTiming
+from protocol.openai import OpenAIRequest, resolve_max_tokens
 from tenants import LedgerFullError, Principal, TenantInfo, UsageEvent, UsageLedger
 
 log = logging.getLogger("fairgate.gateway")
@@ -90,11 +91,11 @@ class Gateway:
         self.metrics = metrics
         self.limiter = RateLimiter()
         self.estimator = OutputEstimator()
-        self.queue = FairQueue(config.dispatch, config.vtc_input_weight, config.vtc_output_weight)
+        self.queue = FairQueue(config.dispatch)
         self.dispatcher = Dispatcher(self.queue, self.pool, metrics)
 
     # ---- admission --------------------------------------------------------------------------
-    async def admit(self, principal: Principal, req: ParsedRequest) -> tuple[
+    async def admit(self, principal: Principal, req: OpenAIRequest) -> tuple[
             Admission, asyncio.Future[Backend]]:
         """Estimate, charge and queue; ApiError for every rejection (nothing charged then)."""
         tenant = principal.tenant
@@ -104,12 +105,12 @@ class Gateway:
             raise ApiError(403, f"priority {priority!r} is not allowed for this key's tenant "
                            f"(allowed: {', '.join(tenant.allowed_priorities)})",
                            code="priority_not_allowed", param="priority")
-        cost = await self._estimate(tenant, req)
-        max_tokens = self._resolve_max_tokens(tenant, req, cost)
-        check_sampling(req.sampling, max_tokens)
+        cost, max_tokens = await self._estimate(tenant, req)
+        params = sampling_params(req, max_tokens)  # the engine's rules, before any charge
         charge = self._charge(tenant, cost)
         job = Job(f"{_ID_PREFIX}-{next(_ids)}", req, tenant.name, priority,
-                  cost.prompt_tokens, max_tokens, tenant.weight)
+                  cost.prompt_tokens, params, tenant.weight,
+                  default_max_tokens=req.max_tokens is None and tenant.limits.max_tokens is None)
         item = QueuedRequest(tenant.name, cost.prompt_tokens, cost.output_tokens, priority,
                              tenant.weight)
         adm = Admission(self, principal, job, cost, charge, item, time.perf_counter(),
@@ -122,34 +123,41 @@ class Gateway:
             raise ApiError(429, str(exc), code=exc.reason, retry_after=exc.retry_after) from None
         return adm, future
 
-    def _check_ready(self, req: ParsedRequest) -> None:
+    def _check_ready(self, req: OpenAIRequest) -> None:
         if not self.pool.healthy:
             raise ApiError(503, "no engine backend is reachable; try again shortly",
                            code="backend_unavailable",
                            retry_after=self.config.backend_retry_after_s)
-        if req.model not in self.pool.model_names() and req.model != "default":
-            names = ", ".join(self.pool.model_names()) or "none yet"
+        names = self.pool.model_names()
+        if req.model is None or req.model == "default":
+            req.model = names[0] if names else "default"
+        elif req.model not in names:
             raise ApiError(404, f"The model {req.model!r} does not exist; this gateway serves: "
-                           f"{names}", code="model_not_found", param="model")
+                           f"{', '.join(names) or 'none yet'}", code="model_not_found",
+                           param="model")
         if self.ledger is not None and self.ledger.pending >= 2 * self.ledger.max_pending:
             raise ApiError(503, "usage recording is behind; try again shortly",
                            code="ledger_full", retry_after=1.0)
 
-    async def _estimate(self, tenant: TenantInfo, req: ParsedRequest) -> CostEstimate:
+    async def _estimate(self, tenant: TenantInfo, req: OpenAIRequest) -> tuple[
+            CostEstimate, int]:
+        """The admission cost and the max_tokens the request runs with."""
         prompt_tokens = self.pool.primary.count_prompt(req)
         limit = tenant.limits.max_tokens
         if limit is not None and req.max_tokens is not None and req.max_tokens > limit:
             raise bad_request(f"max_tokens ({req.max_tokens}) exceeds this tenant's limit "
                               f"({limit})", "max_tokens", "max_tokens_exceeded")
-        if req.max_tokens is None and self.estimator.needs_seed(tenant.name):
+        resolved = resolve_max_tokens(req, prompt_tokens, self.pool.max_model_len)
+        if req.max_tokens is not None:
+            return CostEstimate(prompt_tokens, req.max_tokens), req.max_tokens
+        max_tokens = min(resolved, limit or resolved)  # the default, within the tenant's limit
+        if not req.chat:  # completions default to 16: known, no estimate needed
+            return CostEstimate(prompt_tokens, max_tokens), max_tokens
+        if self.estimator.needs_seed(tenant.name):
             await self._seed(tenant.name)
-        try:
-            return estimate_cost(prompt_tokens, req.max_tokens,
-                                 self.estimator.estimate(tenant.name),
-                                 self.config.default_output_tokens, self.pool.max_model_len)
-        except ContextLengthExceeded as exc:
-            raise bad_request(str(exc), "messages" if req.endpoint == "chat" else "prompt",
-                              "context_length_exceeded") from None
+        cost = estimate_cost(prompt_tokens, None, self.estimator.estimate(tenant.name),
+                             self.config.default_output_tokens, max_tokens)
+        return cost, max_tokens
 
     async def _seed(self, tenant: str) -> None:
         value = None
@@ -160,13 +168,6 @@ class Gateway:
             except Exception as exc:  # the estimate falls back to the default; never fail here
                 log.warning("output-length history unavailable: %s", type(exc).__name__)
         self.estimator.seed(tenant, value)
-
-    def _resolve_max_tokens(self, tenant: TenantInfo, req: ParsedRequest,
-                            cost: CostEstimate) -> int:
-        if req.max_tokens is not None:
-            return req.max_tokens
-        room = self.pool.max_model_len - cost.prompt_tokens
-        return min(room, tenant.limits.max_tokens or room)
 
     def _charge(self, tenant: TenantInfo, cost: CostEstimate) -> Charge:
         try:
@@ -212,22 +213,14 @@ class Gateway:
             m.child("rejections", name, reason).inc()
         if adm.dispatched_at is not None:
             m.child("queue_time", name).observe(adm.dispatched_at - adm.arrival)
-        if not ran:
-            return
-        m.child("e2e", name).observe(time.perf_counter() - adm.arrival)
-        m.child("tokens", name, "in").inc(out.prompt_tokens)
-        m.child("tokens", name, "out").inc(out.completion_tokens)
-        times = out.chunk_times
-        if times and adm.job.req.stream:
-            ttft = times[0] - adm.arrival
-            m.child("ttft", name).observe(ttft)
-            m.observe_slo(name, "ttft", ttft, adm.tenant.slo_ttft_p99_s)
-            itl = m.child("itl", name)
-            for a, b in itertools.pairwise(times):
-                itl.observe(b - a)
-            if len(times) > 1:
-                tpot = (times[-1] - times[0]) / (len(times) - 1)
-                m.observe_slo(name, "itl", tpot, adm.tenant.slo_itl_p99_s)
+        timing = RequestTiming(adm.arrival, out.chunk_times, out.completion_tokens,
+                               time.perf_counter(), ok=status == 200)
+        if ran:
+            m.child("e2e", name).observe(timing.e2e)
+            m.child("tokens", name, "in").inc(out.prompt_tokens)
+            m.child("tokens", name, "out").inc(out.completion_tokens)
+        if adm.job.req.stream:  # only a stream has a first token to time
+            m.observe_stream(name, timing, SLO(adm.tenant.slo_ttft_p99_s, adm.tenant.slo_itl_p99_s))
 
     def _record(self, adm: Admission, status: int) -> None:
         out, now = adm.outcome, time.perf_counter()
@@ -235,7 +228,7 @@ class Gateway:
         queue_time = (adm.dispatched_at or now) - adm.arrival
         ran = adm.backend is not None
         event = UsageEvent(tenant=adm.tenant.name, key_id=adm.principal.key_id,
-                           model=adm.job.req.model, priority=adm.job.priority,
+                           model=adm.job.req.model or "", priority=adm.job.priority,
                            prompt_tokens=out.prompt_tokens if ran else 0,
                            completion_tokens=out.completion_tokens if ran else 0,
                            status=status, queue_time=queue_time, ttft=ttft,
@@ -249,7 +242,7 @@ class Gateway:
         with contextlib.suppress(RuntimeError):  # LedgerFullError: admission already says 503
             self.ledger.record(event)
 
-    def record_rejection(self, principal: Principal, req: ParsedRequest | None,
+    def record_rejection(self, principal: Principal, req: OpenAIRequest | None,
                          status: int) -> None:
         """A request turned away before admission (400, 403, 404, 429, 503): usage says so."""
         name = principal.tenant.name
@@ -257,7 +250,7 @@ class Gateway:
         if self.ledger is None:
             return
         event = UsageEvent(tenant=name, key_id=principal.key_id,
-                           model=req.model if req else "", priority=(req and req.priority)
+                           model=(req.model or "") if req else "", priority=(req and req.priority)
                            or principal.tenant.default_priority, prompt_tokens=0,
                            completion_tokens=0, status=status)
         with contextlib.suppress(LedgerFullError, RuntimeError):

@@ -7,6 +7,7 @@ generator's measurements are checked against, and an instant server for load-gen
 Every answer streams `max_tokens` tokens (or `output_tokens` when set), the first `ttft` seconds
 after the request, then one every `itl` seconds on a fixed schedule (no drift from late wakeups).
 `statuses` is cycled per completion request: a non-200 entry answers with OpenAI's error shape.
+`line_end` writes every SSE line end as LF (the default), CRLF (sse-starlette's default) or CR.
 Prompt tokens are counted like fairgate's byte tokenizer: UTF-8 bytes + 1 (BOS).
 """
 
@@ -26,6 +27,10 @@ from typing import Any
 
 from aiohttp import web
 
+from protocol.sse import DONE, sse_json
+
+LINE_ENDS = {"lf": "\n", "crlf": "\r\n", "cr": "\r"}  # --line-end names: the spec's three
+
 
 @dataclass
 class FakeScript:
@@ -38,11 +43,14 @@ class FakeScript:
     tokens_per_chunk: int = 1
     record: bool = True
     send_usage: bool = True  # False: never send the usage chunk, even when asked
+    line_end: str = "\n"  # written for every SSE line end: one of LINE_ENDS' values
     received: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
 
     def __post_init__(self) -> None:
+        if self.line_end not in LINE_ENDS.values():
+            raise ValueError(f"line_end must be LF, CRLF or CR, got {self.line_end!r}")
         self._statuses = itertools.cycle(self.statuses or (200,))
 
     def next_status(self) -> int:
@@ -62,6 +70,7 @@ def make_fake_app(
     tokens_per_chunk: int = 1,
     record: bool = True,
     send_usage: bool = True,
+    line_end: str = "\n",
 ) -> web.Application:
     """The fake server; `app[SCRIPT].received` holds every completion body it got."""
     app = web.Application()
@@ -75,6 +84,7 @@ def make_fake_app(
         max(1, tokens_per_chunk),
         record,
         send_usage,
+        line_end=line_end,
     )
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _completions)
@@ -131,10 +141,10 @@ async def _answer(request: web.Request, script: FakeScript) -> web.StreamRespons
         "completion_tokens": n,
         "total_tokens": prompt_tokens + n,
     }
-    tail = (
-        _event({"id": "fake", "choices": [], "usage": usage}) if _wants_usage(script, body) else b""
-    )
-    tail += b"data: [DONE]\n\n"
+    tail = DONE
+    if _wants_usage(script, body):
+        tail = sse_json({"id": "fake", "choices": [], "usage": usage}) + DONE
+    tail = _with_line_end(tail, script.line_end)
     writes = _schedule(script, n, chat)
     if script.ttft == 0 and script.itl == 0:  # instant: one plain response, the cheapest answer
         return web.Response(body=writes[0][1] + tail, content_type="text/event-stream")
@@ -154,23 +164,27 @@ def _wants_usage(script: FakeScript, body: dict[str, Any]) -> bool:
     return script.send_usage and bool(options.get("include_usage"))
 
 
-def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+def _with_line_end(sse: bytes, line_end: str) -> bytes:
+    """`sse` (as protocol.sse writes it, LF line ends) with each line end written as `line_end`:
+    its only raw LFs are line ends, since JSON escapes the newlines inside strings."""
+    return sse if line_end == "\n" else sse.replace(b"\n", line_end.encode())
 
 
 def _schedule(script: FakeScript, n: int, chat: bool) -> list[tuple[float, bytes]]:
     """(seconds after arrival, bytes) per write; without delays everything is one write."""
-    return _schedule_cached(script.ttft, script.itl, script.tokens_per_chunk, n, chat)
+    return _schedule_cached(
+        script.ttft, script.itl, script.tokens_per_chunk, n, chat, script.line_end
+    )
 
 
 @functools.lru_cache(maxsize=256)  # benches send the same lengths again and again
 def _schedule_cached(
-    ttft: float, itl: float, per_chunk: int, n: int, chat: bool
+    ttft: float, itl: float, per_chunk: int, n: int, chat: bool, line_end: str
 ) -> list[tuple[float, bytes]]:
     chunks = []
     if chat:  # OpenAI opens a chat stream with an empty, role-only delta
         chunks.append(
-            _event(
+            sse_json(
                 {
                     "id": "fake",
                     "choices": [
@@ -191,7 +205,8 @@ def _schedule_cached(
             {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
         )
         choice["finish_reason"] = finish
-        chunks.append(_event({"id": "fake", "object": "fake", "choices": [choice]}))
+        chunks.append(sse_json({"id": "fake", "object": "fake", "choices": [choice]}))
+    chunks = [_with_line_end(c, line_end) for c in chunks]
     if itl == 0:
         return [(ttft, b"".join(chunks))]
     head = len(chunks) - len(sizes)  # the role preamble goes out with the first token
@@ -213,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=None)
     parser.add_argument("--api-key", action="append", default=None, help="accepted key(s)")
     parser.add_argument("--no-record", action="store_true", help="do not keep request bodies")
+    parser.add_argument(
+        "--line-end", choices=LINE_ENDS, default="lf", help="SSE line ends (default: lf)"
+    )
     args = parser.parse_args(argv)
     app = make_fake_app(
         args.ttft,
@@ -221,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         args.output_tokens,
         args.api_key,
         record=not args.no_record,
+        line_end=LINE_ENDS[args.line_end],
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(app, args.host, args.port))

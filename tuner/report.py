@@ -1,9 +1,11 @@
 """What a load test measured: one `RequestResult` per request, summed up in a `Report`.
 
-Definitions (as in `vllm bench serve`): TTFT = send to first token; ITL = every gap between
-two streamed chunks that carry tokens; TPOT = (e2e - TTFT) / (output tokens - 1); e2e = send to
-last byte. A request meets the SLOs (counts toward goodput) when it succeeded, its TTFT is within
-`slo_ttft` and its TPOT (its mean inter-token gap) is within `slo_itl`.
+The measures are defined in `protocol.measures`, as for the engine's `/stats` and the gateway:
+TTFT = send to first token; ITL = every gap between two token stamps (the client stamps each token
+with the time of the network read that brought it); TPOT = (last token - first token) / (output
+tokens - 1), which is vLLM's (e2e - TTFT) / (output tokens - 1) when the last token ends the
+stream; e2e = send to last byte. A request meets the SLOs (counts toward goodput) when it
+succeeded, its TTFT is within `slo_ttft` and its TPOT is within `slo_itl`.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from protocol.measures import SLO, RequestTiming, goodput, summarize
 
 OK = "ok"
-PERCENTILES = (50, 90, 99)
 
 
 @dataclass(slots=True)
@@ -43,18 +45,22 @@ class RequestResult:
         return self.status == OK
 
     @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
+    def timing(self) -> RequestTiming | None:
+        """Times from the send (start 0): token stamps rebuilt from TTFT and the gaps. None when
+        the request never got its first token and end."""
+        if self.ttft is None or self.e2e is None:
             return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+        stamps = list(accumulate(self.itl, initial=self.ttft))
+        return RequestTiming(0.0, stamps, self.output_tokens, self.e2e, self.ok)
+
+    @property
+    def tpot(self) -> float | None:
+        timing = self.timing
+        return None if timing is None else timing.tpot
 
     def meets(self, slo_ttft: float | None, slo_itl: float | None) -> bool:
-        if not self.ok or self.ttft is None:
-            return False
-        if slo_ttft is not None and self.ttft > slo_ttft:
-            return False
-        tpot = self.tpot
-        return slo_itl is None or tpot is None or tpot <= slo_itl
+        timing = self.timing
+        return timing is not None and timing.meets(SLO(slo_ttft, slo_itl))
 
     def row(self) -> dict[str, Any]:
         itl = self.itl
@@ -82,11 +88,8 @@ def _r(x: float | None) -> float | None:
 
 def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
     """mean, median, p90, p99 in milliseconds (None when there is nothing to measure)."""
-    if not len(values):
-        return {"mean_ms": None, "median_ms": None, "p90_ms": None, "p99_ms": None}
-    arr = np.asarray(values, dtype=np.float64) * 1000.0
-    p50, p90, p99 = np.percentile(arr, PERCENTILES).tolist()
-    return {"mean_ms": float(arr.mean()), "median_ms": p50, "p90_ms": p90, "p99_ms": p99}
+    ms = summarize(v * 1000.0 for v in values)
+    return {"mean_ms": ms["mean"], "median_ms": ms["p50"], "p90_ms": ms["p90"], "p99_ms": ms["p99"]}
 
 
 @dataclass
@@ -115,11 +118,12 @@ class Summary:
         slo_itl: float | None,
     ) -> Summary:
         ok = [r for r in results if r.ok]
+        timings = [timing for r in ok if (timing := r.timing) is not None]
         per_s = 1.0 / duration if duration > 0 else 0.0
         inp = sum(r.prompt_tokens for r in ok)
         out = sum(r.output_tokens for r in ok)
         has_slo = slo_ttft is not None or slo_itl is not None
-        good = sum(r.meets(slo_ttft, slo_itl) for r in ok)
+        good = goodput(timings, duration, SLO(slo_ttft, slo_itl))
         return cls(
             completed=len(ok),
             failed=dict(Counter(r.status for r in results if not r.ok).most_common()),
@@ -128,9 +132,9 @@ class Summary:
             request_throughput=len(ok) * per_s,
             output_throughput=out * per_s,
             total_token_throughput=(inp + out) * per_s,
-            goodput=good * per_s if has_slo else None,
+            goodput=good.requests_per_s if has_slo else None,
             ttft=latency_stats([r.ttft for r in ok if r.ttft is not None]),
-            tpot=latency_stats([t for r in ok if (t := r.tpot) is not None]),
+            tpot=latency_stats([tpot for x in timings if (tpot := x.tpot) is not None]),
             itl=latency_stats([g for r in ok for g in r.itl]),
             e2e=latency_stats([r.e2e for r in ok if r.e2e is not None]),
         )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -37,6 +38,15 @@ async def collect(engine: AsyncEngine, request_id: str, prompt: list[int] | None
                   **params: Any) -> list[RequestOutput]:
     return [out async for out in engine.generate(request_id, [1, 2, 3] if prompt is None else prompt,
                                                  SamplingParams(**params))]
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait until `condition()` holds (checked every millisecond); fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition still false after {timeout} s")
+        await asyncio.sleep(0.001)
 
 
 def assert_all_blocks_free(engine: AsyncEngine) -> None:
@@ -103,10 +113,7 @@ async def test_leaving_the_iterator_early_aborts_the_request() -> None:
         async for _ in stream:
             break
         await stream.aclose()
-        for _ in range(500):
-            if engine.load()["running"] == 0:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: engine.load()["running"] == 0)
         assert_all_blocks_free(engine)
         records, _ = engine.stats.recent(engine.now(), 1e9)
         assert [r.finish_reason for r in records] == ["abort"]
@@ -163,10 +170,7 @@ async def test_too_many_waiting_tokens_is_overloaded() -> None:
         running = engine.generate("run", [1] * 10, SamplingParams(max_tokens=1000))
         await anext(running)
         pending = asyncio.create_task(anext(waiting))
-        for _ in range(100):
-            if engine.load()["waiting"]:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: engine.load()["waiting"] > 0)
         with pytest.raises(EngineOverloaded, match="max_waiting_tokens"):
             await collect(engine, "big", prompt=[1] * 1000, max_tokens=1)
     finally:
@@ -206,10 +210,9 @@ async def test_reconfigure_drains_then_parked_requests_run_under_new_knobs() -> 
     await engine.start()
     try:
         old = [asyncio.ensure_future(collect(engine, f"old{i}", max_tokens=40)) for i in range(8)]
-        await asyncio.sleep(0.02)
+        await wait_for(lambda: engine.load()["num_steps"] > 0)  # the old requests are running
         reconfig = asyncio.ensure_future(engine.reconfigure({"max_num_seqs": 2}))
-        await asyncio.sleep(0.01)
-        assert engine.load()["reconfiguring"]
+        await wait_for(lambda: engine.load()["reconfiguring"])
         new = [asyncio.ensure_future(collect(engine, f"new{i}", max_tokens=5)) for i in range(6)]
         config = await reconfig
         assert config.max_num_seqs == 2 and engine.config.max_num_seqs == 2
@@ -227,7 +230,7 @@ async def test_reconfigure_abort_running_and_bad_changes() -> None:
     await engine.start()
     try:
         running = asyncio.ensure_future(collect(engine, "r", max_tokens=1000))
-        await asyncio.sleep(0.02)
+        await wait_for(lambda: engine.load()["running"] == 1)
         await engine.reconfigure({"num_kv_blocks": 200}, abort_running=True)
         assert (await running)[-1].finish_reason == "abort"
         assert engine.load()["num_blocks"] == 200
@@ -247,7 +250,7 @@ async def test_reconfigure_drain_timeout_aborts_what_still_runs() -> None:
     await engine.start()
     try:
         running = asyncio.ensure_future(collect(engine, "r", max_tokens=2000, prompt=[1]))
-        await asyncio.sleep(0.02)
+        await wait_for(lambda: engine.load()["running"] == 1)
         await engine.reconfigure({"max_num_seqs": 8}, drain_timeout=0.05)
         assert (await running)[-1].finish_reason == "abort"
     finally:

@@ -66,6 +66,24 @@ def test_held_text_is_released_when_it_cannot_match_or_at_the_end() -> None:
     assert not matcher.stopped
 
 
+def streamed_stop(text: str, stops: list[str], bounds: list[int]) -> tuple[str, bool]:
+    """The oracle: after each piece, is any stop string complete in the text received so far?
+    The first time one is, the output is the received text up to the earliest start among the
+    stops complete then (a stop completing later cannot undo what already matched)."""
+    for end in bounds[1:]:
+        found = [i for i in (text[:end].find(s) for s in stops) if i >= 0]
+        if found:
+            return text[:min(found)], True
+    return text, False
+
+
+def test_the_stop_complete_first_wins_over_one_starting_earlier() -> None:
+    # "ab" arrives: "b" is complete at 1; "aba", starting at 0, completes only a piece later
+    matcher = StopStringMatcher(("b", "aba"))
+    assert matcher.feed("ab") + matcher.feed("a", final=True) == "a"
+    assert streamed_stop("aba", ["b", "aba"], [0, 2, 3]) == ("a", True)
+
+
 @settings(max_examples=100, deadline=None)
 @given(text=st.text(alphabet="abc", max_size=30),
        stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=3), min_size=1, max_size=3),
@@ -76,6 +94,4 @@ def test_output_is_the_text_before_the_first_stop(text: str, stops: list[str],
     bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     out = "".join(matcher.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces))
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    assert out == (text[:min(found)] if found else text)
-    assert matcher.stopped == bool(found)
+    assert (out, matcher.stopped) == streamed_stop(text, stops, bounds)

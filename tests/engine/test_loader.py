@@ -150,8 +150,10 @@ def test_kv_sizing_from_memory(caplog):
 
 
 def test_int8_kv_blocks_are_smaller():
-    fp16 = EngineConfig(model="random:tiny", dtype="float16", num_kv_blocks=128)
-    executor = TorchExecutor(EngineConfig(model="random:tiny", num_kv_blocks=128))
+    # executors get the engine's config, max_model_len resolved (LLMEngine.config)
+    fp16 = EngineConfig(model="random:tiny", dtype="float16", num_kv_blocks=128, max_model_len=2048)
+    executor = TorchExecutor(EngineConfig(model="random:tiny", num_kv_blocks=128,
+                                          max_model_len=2048))
     fp32_bytes = executor.bytes_per_block(executor.config)
     int8_bytes = executor.bytes_per_block(executor.config.replace(kv_cache_dtype="int8"))
     assert int8_bytes / fp32_bytes == pytest.approx((64 + 4) / (4 * 64))  # ~ a quarter

@@ -109,10 +109,11 @@ def set_counters(engine: LLMEngine, **counters: float) -> None:
 
 
 def test_fair_share_tenant_far_ahead_waits_for_the_next_step() -> None:
-    engine = engine_with("fair", max_num_seqs=8, max_num_batched_tokens=64)
+    engine = engine_with("fair", max_num_seqs=8, max_num_batched_tokens=64,
+                         fair_far_ahead_tokens=64)
     add(engine, "a0", prompt_len=10, max_tokens=4, tenant="a")
     add(engine, "b0", prompt_len=10, max_tokens=4, tenant="b")
-    set_counters(engine, a=500.0, b=0.0)  # a leads by more than one budget (64)
+    set_counters(engine, a=500.0, b=0.0)  # a leads by more than fair_far_ahead_tokens (64)
     # both fit the budget, but a's prefill would lengthen the step that gives b its first token
     assert first_step_prefills(engine) == {"b0"}
     assert first_step_prefills(engine) == {"a0", "b0"}  # a's turn: b decodes beside it
@@ -121,7 +122,8 @@ def test_fair_share_tenant_far_ahead_waits_for_the_next_step() -> None:
 @pytest.mark.parametrize(("prompt_len", "admitted"), [(40, 1), (8, 4)])
 def test_fair_share_far_ahead_tenant_adds_few_prefills_per_step(prompt_len: int,
                                                                  admitted: int) -> None:
-    engine = engine_with("fair", max_num_seqs=16, max_num_batched_tokens=256)  # cap: 32 tokens
+    engine = engine_with("fair", max_num_seqs=16, max_num_batched_tokens=256,  # cap: 32 tokens
+                         fair_far_ahead_tokens=256)
     add(engine, "b0", prompt_len=10, max_tokens=50, tenant="b")
     engine.step()  # b is active (decoding) with nothing waiting
     for i in range(5):
@@ -132,7 +134,8 @@ def test_fair_share_far_ahead_tenant_adds_few_prefills_per_step(prompt_len: int,
 
 
 def test_fair_share_lone_tenant_is_never_limited() -> None:
-    engine = engine_with("fair", max_num_seqs=16, max_num_batched_tokens=256)
+    engine = engine_with("fair", max_num_seqs=16, max_num_batched_tokens=256,
+                         fair_far_ahead_tokens=256)
     for i in range(4):
         add(engine, f"a{i}", prompt_len=40, max_tokens=2, tenant="a")
     set_counters(engine, a=1000.0)
@@ -140,10 +143,11 @@ def test_fair_share_lone_tenant_is_never_limited() -> None:
 
 
 def test_fair_share_tenants_close_to_each_other_share_steps() -> None:
-    engine = engine_with("fair", max_num_seqs=8, max_num_batched_tokens=64)
+    engine = engine_with("fair", max_num_seqs=8, max_num_batched_tokens=64,
+                         fair_far_ahead_tokens=64)
     add(engine, "a0", prompt_len=10, max_tokens=4, tenant="a")
     add(engine, "b0", prompt_len=10, max_tokens=4, tenant="b")
-    set_counters(engine, a=30.0, b=0.0)  # within one budget
+    set_counters(engine, a=30.0, b=0.0)  # within fair_far_ahead_tokens
     assert first_step_prefills(engine) == {"a0", "b0"}
 
 

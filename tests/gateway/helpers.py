@@ -17,8 +17,8 @@ from engine import EngineConfig
 from gateway.app import make_app
 from gateway.backends import Job, Outcome
 from gateway.config import FairgateConfig, GatewayConfig
-from gateway.openai_format import ParsedRequest, ResponseWriter
 from gateway.state import GATEWAY
+from protocol.openai import OpenAIRequest, prompt_text
 from tenants import TenantLimits, TenantStore
 
 SIM_ENGINE = EngineConfig(executor="sim", max_model_len=512, max_num_seqs=8,
@@ -71,8 +71,8 @@ class ControlledBackend:
     def has_room(self) -> bool:
         return self.inflight < self.capacity_
 
-    def count_prompt(self, req: ParsedRequest) -> int:
-        return len(req.prompt) + 1
+    def count_prompt(self, req: OpenAIRequest) -> int:
+        return len(prompt_text(req)) + 1
 
     async def start(self) -> None:
         pass
@@ -84,7 +84,7 @@ class ControlledBackend:
         self.gate.set()
 
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
-        writer = ResponseWriter(job.request_id, job.req.endpoint, job.req.model)
+        writer = job.writer()
         self.started.append(job.tenant)
         try:
             await self.gate.wait()
@@ -101,7 +101,7 @@ class ControlledBackend:
 
     async def complete(self, job: Job, outcome: Outcome) -> bytes:
         chunks = [c async for c in self.stream(job, outcome)]
-        body = ResponseWriter(job.request_id, job.req.endpoint, job.req.model).whole(
+        body = job.writer().whole(
             "x" * (len(chunks) - 1), outcome.finish_reason, outcome.prompt_tokens,
             outcome.completion_tokens)
         return json.dumps(body).encode()

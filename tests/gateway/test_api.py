@@ -48,12 +48,17 @@ async def test_stream_without_usage_has_no_usage_event(aiohttp_client: Any, db_u
     assert "".join(e["choices"][0]["text"] for e in events)
 
 
-async def test_max_tokens_absent_uses_context_left(aiohttp_client: Any, db_url: str) -> None:
+async def test_max_tokens_absent_uses_openai_defaults(aiohttp_client: Any, db_url: str) -> None:
     h = await start_gateway(aiohttp_client, db_url,
-                            tenants={"acme": {"limits": {"max_tokens": 7}}})
+                            tenants={"acme": {"limits": {"max_tokens": 7}}, "free": {}})
+    resp = await h.post("free", {"model": "random:tiny", "prompt": "x"})
+    assert (await resp.json())["usage"]["completion_tokens"] == 16  # OpenAI's default
     resp = await h.post("acme", {"model": "random:tiny", "prompt": "x"})
     body = await resp.json()
     assert body["usage"]["completion_tokens"] == 7  # capped by the tenant's max_tokens
+    resp = await h.post("acme", {"messages": [{"role": "user", "content": "x"}]},
+                        path="/v1/chat/completions")
+    assert (await resp.json())["usage"]["completion_tokens"] == 7  # the context, capped
 
 
 async def test_models_health_and_auth_on_models(aiohttp_client: Any, db_url: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from gateway.auth import Authenticator
-from gateway.errors import ApiError
+from protocol.errors import ApiError
 from tenants import Principal, TenantStore
 
 

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.fairqueue import FairQueue, QueueBounds, QueuedRequest, QueueFull
+from protocol.fairness import VTC_COST
 
 
 def item(tenant: str, cost: int = 10, priority: str = "interactive",
@@ -82,8 +83,8 @@ def test_settle_with_actuals_moves_the_counter() -> None:
     it = q.pop()
     assert it is not None
     before = q.tenants["a"].counter
-    q.finish(it, 50, 0)  # used 50 of the estimated 100
-    assert q.tenants["a"].counter == pytest.approx(before - 50)
+    q.finish(it, 50, 0)  # estimated 50 in + 50 out, used the 50 in and no output
+    assert q.tenants["a"].counter == pytest.approx(before - VTC_COST.cost(0, 50))
 
 
 def test_max_concurrent_holds_a_tenant_back_and_remove_uncharges() -> None:

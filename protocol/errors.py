@@ -1,16 +1,15 @@
-"""OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`, plus Retry-After.
+"""OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, plus Retry-After.
 
-Every rejection the gateway makes is an `ApiError`; the error middleware turns it (and anything
-unexpected) into this JSON, so a client never sees an HTML page or a bare 500 traceback.
+Every surface (engine server, gateway) answers every rejection with an `ApiError`; the shared
+aiohttp middleware in `protocol.http` turns it into this JSON.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from aiohttp import web
-
-_TYPES = {
+ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -26,8 +25,17 @@ _TYPES = {
 }
 
 
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 class ApiError(Exception):
-    """A request the gateway answers with an error; `retry_after` (seconds) adds Retry-After."""
+    """A request answered with an error; `retry_after` (seconds) adds a Retry-After header."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None,
                  param: str | None = None, retry_after: float | None = None) -> None:
@@ -40,24 +48,20 @@ class ApiError(Exception):
 
     @property
     def type(self) -> str:
-        return _TYPES.get(self.status, "api_error")
+        return error_type(self.status)
 
-    def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
             return {}
         return {"Retry-After": str(retry_after_header(self.retry_after))}
 
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers())
-
 
 def retry_after_header(seconds: float) -> int:
     """Whole seconds, rounded up and at least 1: Retry-After has no fractions and 0 invites a
-    client to hammer the gateway."""
+    client to hammer the server."""
     return max(1, math.ceil(seconds))
 
 

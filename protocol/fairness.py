@@ -1,0 +1,44 @@
+"""The fair-share cost: what serving a request adds to its tenant's virtual token counter (VTC).
+
+One definition for both places that account service: the engine's `fair` policy
+(engine.policies.FairShareQueue) and the gateway's dispatcher (gateway.fairqueue.FairQueue).
+Both divide this cost by the tenant's weight, so a tenant's counter means the same in each.
+
+An output token costs more than an input token: a prompt token is computed in a batched,
+compute-bound prefill, while every output token takes a memory-bound decode step of its own.
+The weights are the VTC paper's default (Sheng et al., "Fairness in Serving Large Language
+Models", OSDI 2024): input 1, output 2.
+
+How each side counts tokens:
+- the engine charges a prefill chunk's computed tokens as input tokens (a prompt's, and after a
+  preemption by recompute, the prompt and outputs run again) and every sampled token as an
+  output token, as the step computes them;
+- the gateway charges the request's prompt and estimated output tokens at dispatch and settles
+  to the actual counts when the request finishes.
+For a request that is never preempted both end at `cost(prompt tokens, output tokens)`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VTCCost:
+    input_weight: float = 1.0  # per prompt (prefill) token
+    output_weight: float = 2.0  # per output (decode) token
+
+    def __post_init__(self) -> None:
+        for name in ("input_weight", "output_weight"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"VTCCost.{name} must be a finite number > 0, got {value!r}")
+
+    def cost(self, input_tokens: int, output_tokens: int) -> float:
+        """Weighted service of `input_tokens` prefill tokens and `output_tokens` output tokens."""
+        return self.input_weight * input_tokens + self.output_weight * output_tokens
+
+
+VTC_COST = VTCCost()  # the cost every fair-share counter in fairgate charges

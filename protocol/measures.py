@@ -1,0 +1,149 @@
+"""TTFT, ITL, TPOT, e2e, goodput and SLO attainment: the one definition the engine's `/stats`,
+the gateway's metrics and `fairgate bench` all compute through.
+
+A request's timing, as one surface saw it, is its `start` (arrival at that surface), the times
+its tokens were seen (one per token in the engine; one per token-bearing chunk or network read
+at the gateway and the benchmark client), its number of output tokens and its `end`.
+
+- TTFT = first token time - start.
+- ITL = every gap between two consecutive token times.
+- TPOT = (last token time - first token time) / (num_output_tokens - 1), for requests with at
+  least two output tokens. When the last token ends the stream this equals vLLM's bench
+  definition (e2e - TTFT) / (n - 1); measuring to the last token instead keeps the time spent
+  after it (the finish event, usage, `[DONE]`) out of the per-token figure.
+- e2e = end - start.
+
+A request meets its SLO (counts toward goodput) when it succeeded, its TTFT <= `SLO.ttft_s` and
+its TPOT <= `SLO.itl_s`; an unset target does not constrain. A request without a token misses a
+TTFT target; one with a single token has no TPOT to miss.
+
+SLO attainment: "p99 TTFT <= X" means at least 99% (`SLO.target`) of the period's requests
+have TTFT <= X, and a rejected or failed request is a miss. The error budget is 1 - target; the
+burn rate is the observed miss fraction divided by the budget (1.0: spending it exactly as fast
+as allowed).
+
+Standard library only: this is the bottom layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+QUANTILES = (50, 90, 95, 99)
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    """Latency targets of one tenant or run; None leaves that measure unconstrained."""
+
+    ttft_s: float | None = None
+    itl_s: float | None = None  # a bound on TPOT, the request's mean inter-token gap
+    target: float = 0.99  # the fraction of requests that must meet it ("p99")
+
+    def __post_init__(self) -> None:
+        error_budget(self.target)
+
+
+def error_budget(target: float) -> float:
+    """The fraction of requests allowed to miss a target that `target` of them must meet."""
+    if not 0.0 < target < 1.0:
+        raise ValueError(f"SLO target ({target}) must be between 0 and 1 (exclusive): the error "
+                         "budget is 1 - target")
+    return 1.0 - target
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTiming:
+    """When one request started, saw its tokens and ended, on one clock (seconds)."""
+
+    start: float
+    token_times: Sequence[float]  # ascending; held, not copied (the gateway passes its list)
+    num_output_tokens: int
+    end: float
+    ok: bool = True  # succeeded (finished normally, HTTP 200)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.start if self.token_times else None
+
+    @property
+    def itls(self) -> Iterator[float]:
+        """Each gap, lazily: the gateway observes them one by one without building a list."""
+        return (b - a for a, b in itertools.pairwise(self.token_times))
+
+    @property
+    def tpot(self) -> float | None:
+        if self.num_output_tokens < 2 or not self.token_times:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+    def meets_ttft(self, slo: SLO) -> bool:
+        ttft = self.ttft
+        return self.ok and (slo.ttft_s is None or (ttft is not None and ttft <= slo.ttft_s))
+
+    def meets_tpot(self, slo: SLO) -> bool:
+        tpot = self.tpot
+        return self.ok and (slo.itl_s is None or tpot is None or tpot <= slo.itl_s)
+
+    def meets(self, slo: SLO) -> bool:
+        """Counts toward goodput: succeeded and within every set target."""
+        return self.meets_ttft(slo) and self.meets_tpot(slo)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Exact percentile with linear interpolation between order statistics (numpy's default);
+    NaN when there are no values."""
+    if not sorted_values:
+        return math.nan
+    rank = (len(sorted_values) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
+
+
+def summarize(values: Iterable[float]) -> dict[str, float | int | None]:
+    """count, mean, max and p50/p90/p95/p99; None instead of NaN so the result is valid JSON."""
+    ordered = sorted(values)
+    if not ordered:
+        return {"count": 0, "mean": None, "max": None, **{f"p{q}": None for q in QUANTILES}}
+    summary: dict[str, float | int | None] = {"count": len(ordered),
+                                              "mean": sum(ordered) / len(ordered),
+                                              "max": ordered[-1]}
+    summary.update({f"p{q}": percentile(ordered, q) for q in QUANTILES})
+    return summary
+
+
+@dataclass(frozen=True, slots=True)
+class Goodput:
+    requests: int  # requests that met the SLO
+    requests_per_s: float
+    output_tokens_per_s: float  # their output tokens
+    fraction: float | None  # of the requests given; None when none were
+
+
+def goodput(timings: Sequence[RequestTiming], elapsed_s: float, slo: SLO) -> Goodput:
+    """The requests among `timings` that met `slo`, per second of `elapsed_s`."""
+    good = [t for t in timings if t.meets(slo)]
+    per_s = 1.0 / elapsed_s if elapsed_s > 0 else 0.0
+    return Goodput(requests=len(good), requests_per_s=len(good) * per_s,
+                   output_tokens_per_s=sum(t.num_output_tokens for t in good) * per_s,
+                   fraction=len(good) / len(timings) if timings else None)
+
+
+def attainment(met: int, total: int, target: float = 0.99) -> dict[str, float | None]:
+    """`met` of `total` requests met a target that `target` of them should meet. Rejected and
+    failed requests belong in `total` as misses. fraction and burn_rate are None for no
+    requests; a burn rate above 1 spends the error budget faster than allowed."""
+    if not 0 <= met <= total:
+        raise ValueError(f"met ({met}) must be between 0 and total ({total})")
+    budget = error_budget(target)
+    fraction = met / total if total else None
+    burn_rate = None if fraction is None else (1.0 - fraction) / budget
+    return {"fraction": fraction, "target": target, "budget": budget, "burn_rate": burn_rate}
