@@ -61,7 +61,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout: float = 60) -> 
 
 def start_engine(port: int, knobs: dict[str, Any]) -> subprocess.Popen[Any]:
     sets = [a for k, v in knobs.items() for a in ("--set", f"{k}={v}")]
-    proc = subprocess.Popen([PYTHON, "-m", "gateway.cli", "engine", "--port", str(port),
+    proc = subprocess.Popen([PYTHON, "-m", "fairgate", "engine", "--port", str(port),
                              "--log-level", "warning", *sets], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(f"http://127.0.0.1:{port}", proc)
@@ -80,7 +80,7 @@ def start_gateway(config: dict[str, Any], workdir: Path,
     config["gateway"] = {**config.get("gateway", {}), "port": port, "demo_tenant": not tenants}
     path = workdir / f"fairgate-{port}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
-    proc = subprocess.Popen([PYTHON, "-m", "gateway.cli", "serve", "-c", str(path),
+    proc = subprocess.Popen([PYTHON, "-m", "fairgate", "serve", "-c", str(path),
                              "--log-level", "WARNING"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None

@@ -1,4 +1,7 @@
-"""fairgate's inference engine: continuous batching on a paged KV cache."""
+"""fairgate-package: engine
+
+fairgate's inference engine: continuous batching on a paged KV cache.
+"""
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, StepOutput

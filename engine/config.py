@@ -7,9 +7,18 @@ are computed once by the executor and passed on; they are never written back her
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any
+
+from protocol.validators import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_known_keys,
+    check_number,
+    check_positive_int,
+    from_mapping,
+)
 
 POLICIES = ("fcfs", "priority", "sjf", "prefix", "fair")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -64,44 +73,25 @@ class EngineConfig:
     max_waiting_tokens: int = 4_000_000
 
     def __post_init__(self) -> None:
-        _check_choice("policy", self.policy, POLICIES)
-        _check_choice("preemption", self.preemption, PREEMPTION_MODES)
-        _check_choice("executor", self.executor, EXECUTORS)
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("sim_clock", self.sim_clock, SIM_CLOCKS)
-        _check_choice("sim_hardware", self.sim_hardware, SIM_HARDWARE)
+        for name, choices in _CHOICES.items():
+            check_choice(name, getattr(self, name), choices)
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size",
                      "max_num_partial_prefills", "max_waiting_requests", "max_waiting_tokens",
                      "fair_far_ahead_tokens"):
-            _check_positive_int(name, getattr(self, name))
-        if self.max_model_len is not None:
-            _check_positive_int("max_model_len", self.max_model_len)
-        if not _is_int(self.long_prefill_token_threshold) or self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0 disables it), "
-                             f"got {self.long_prefill_token_threshold!r}")
+            check_positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, low=0)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size}")
-        if not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError("enable_prefix_caching must be true or false, got "
-                             f"{self.enable_prefix_caching!r}")
-        for name in ("swap_space_gb", "sjf_aging_tokens_per_s"):
-            _check_finite(name, getattr(self, name))
+        check_int("seed", self.seed)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_number("swap_space_gb", self.swap_space_gb, low=0)
+        check_number("sjf_aging_tokens_per_s", self.sjf_aging_tokens_per_s, low=0)
         if self.device_memory_gb is not None:
-            _check_finite("device_memory_gb", self.device_memory_gb)
-        if not 0.0 < self.memory_fraction <= 1.0:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.num_kv_blocks is not None:
-            _check_positive_int("num_kv_blocks", self.num_kv_blocks)
-        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
-            raise ValueError(f"device_memory_gb must be > 0, got {self.device_memory_gb}")
-        if self.swap_space_gb < 0:
-            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
-        if self.sjf_aging_tokens_per_s < 0:
-            raise ValueError(f"sjf_aging_tokens_per_s must be >= 0, got {self.sjf_aging_tokens_per_s}")
+            check_number("device_memory_gb", self.device_memory_gb, low=0, open_low=True)
+        check_number("memory_fraction", self.memory_fraction, low=0, high=1, open_low=True)
         self._check_combinations()
 
     def _check_combinations(self) -> None:
@@ -165,43 +155,20 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A new validated config with some knobs changed (unknown knobs: ValueError)."""
-        return dataclasses.replace(self, **_check_known(changes))
+        check_known_keys("engine", changes, KNOBS)
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> EngineConfig:
         """Build from a YAML/JSON mapping; unknown keys are an error naming the key."""
-        return cls(**_check_known(dict(values or {})))
+        return from_mapping(cls, values, "engine")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 KNOBS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+_CHOICES = {"policy": POLICIES, "preemption": PREEMPTION_MODES, "executor": EXECUTORS,
+            "attention_backend": ATTENTION_BACKENDS, "kv_cache_dtype": KV_CACHE_DTYPES,
+            "dtype": DTYPES, "sim_clock": SIM_CLOCKS, "sim_hardware": SIM_HARDWARE}
 
-
-def _check_known(values: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(values) - set(KNOBS))
-    if unknown:
-        raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}; "
-                         f"known settings are: {', '.join(KNOBS)}")
-    return values
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {' | '.join(choices)}, got {value!r}")
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_finite(name: str, value: object) -> None:
-    # NaN passes every range check and infinity overflows block counts and sort keys
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")

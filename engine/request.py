@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 from protocol.priority import PRIORITIES, PRIORITY_RANK  # noqa: F401 - PRIORITIES re-exported
+from protocol.validators import check_int, check_number, check_positive_int
 
 
 @dataclass(frozen=True)
@@ -32,45 +32,29 @@ class SamplingParams:
         if isinstance(self.stop, (list, str)):
             stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
             object.__setattr__(self, "stop", stop)
-        _check_int("max_tokens", self.max_tokens, low=1)
-        _check_int("top_k", self.top_k, low=0)
-        _check_int("min_tokens", self.min_tokens, low=0)
-        _check_range("temperature", self.temperature, 0.0, 100.0)
-        _check_range("top_p", self.top_p, 0.0, 1.0, open_low=True)
-        _check_range("min_p", self.min_p, 0.0, 1.0)
-        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, open_low=True)
+        check_positive_int("max_tokens", self.max_tokens)
+        check_int("top_k", self.top_k, low=0)
+        check_int("min_tokens", self.min_tokens, low=0)
+        check_number("temperature", self.temperature, 0.0, 100.0)
+        check_number("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        check_number("min_p", self.min_p, 0.0, 1.0)
+        check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_number("repetition_penalty", self.repetition_penalty, 0.0, 10.0, open_low=True)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None:
-            _check_int("seed", self.seed, low=-(2**63), high=2**63 - 1)  # an int64 tensor
+            check_int("seed", self.seed, low=-(2**63), high=2**63 - 1)  # an int64 tensor
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=20)
+            check_int("logprobs", self.logprobs, low=0, high=20)
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids[]", token_id, low=0)
+            check_int("stop_token_ids[]", token_id, low=0)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
-
-
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"between {low} and {high}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-
-
-def _check_range(name: str, value: object, low: float, high: float, open_low: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if value > high or value < low or (open_low and value == low):
-        left = "(" if open_low else "["
-        raise ValueError(f"{name} must be in {left}{low}, {high}], got {value}")
 
 
 class RequestStatus(enum.Enum):

@@ -1,4 +1,4 @@
-"""`make_app(config)`: the gateway as an aiohttp application.
+"""`make_app(config, engine=, database=)`: the gateway as an aiohttp application.
 
 Everything is built here, synchronously; cleanup contexts start and stop what needs the event
 loop (database, usage ledger, engine or remote pollers, the dispatch ticker) in that order and
@@ -16,16 +16,17 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine.config import EngineConfig
 from gateway import admin, proxy
 from gateway.auth import Authenticator
 from gateway.backends import Backend, BackendPool, EmbeddedBackend, RemoteBackend
-from gateway.config import FairgateConfig
+from gateway.config import GatewayConfig
 from gateway.dispatch import tick
 from gateway.metrics import GatewayMetrics
 from gateway.service import Gateway
-from gateway.state import AUTH, CONFIG, GATEWAY, METRICS, SETTINGS, STORE
+from gateway.state import AUTH, GATEWAY, METRICS, SETTINGS, STORE
 from protocol.http import error_middleware
-from tenants import TenantStore, UsageLedger
+from tenants import DEFAULT_DATABASE_URL, TenantStore, UsageLedger
 
 log = logging.getLogger("fairgate.gateway")
 SECRET_ENV = "FAIRGATE_KEY_SECRET"  # the same variable the tenants CLI reads
@@ -36,21 +37,24 @@ DEMO_TENANT = "demo"
 DEFAULT_REMOTE_MAX_MODEL_LEN = 2048
 
 
-def make_app(config: FairgateConfig | None = None, *, backends: list[Backend] | None = None,
+def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None = None,
+             database: str = DEFAULT_DATABASE_URL, backends: list[Backend] | None = None,
              store: TenantStore | None = None,
              on_demo_key: Callable[[str], None] | None = None) -> web.Application:
-    """The gateway. `backends` replaces the configured ones (tests); `on_demo_key` receives the
-    demo tenant's key when one is created at first start (`fairgate serve` prints it)."""
-    config = config or FairgateConfig()
-    settings = config.gateway
+    """The gateway. `engine`: the embedded engine when `config.backends` is empty, else the
+    remote backends' default max_model_len. `backends` replaces the configured ones (tests);
+    `store` replaces the one opened on `database`; `on_demo_key` receives the demo tenant's key
+    when one is created at first start (`fairgate serve` prints it)."""
+    settings = config or GatewayConfig()
+    engine = engine or EngineConfig()
     app = web.Application(middlewares=[error_middleware(log)],
                           client_max_size=settings.max_body_bytes)
-    store = store or TenantStore(config.database, secret=os.environ.get(SECRET_ENV) or None)
+    store = store or TenantStore(database, secret=os.environ.get(SECRET_ENV) or None)
     metrics = GatewayMetrics()
-    pool = BackendPool(backends or _backends(config, lambda: gw.dispatcher.pump()),
+    pool = BackendPool(backends or _backends(settings, engine, lambda: gw.dispatcher.pump()),
                        headroom=settings.dispatch_headroom)
     gw = Gateway(settings, pool, UsageLedger(store), metrics)
-    app[CONFIG], app[SETTINGS], app[STORE], app[METRICS] = config, settings, store, metrics
+    app[SETTINGS], app[STORE], app[METRICS] = settings, store, metrics
     app[GATEWAY] = gw
     app[AUTH] = Authenticator(store, settings.admin_key)
     app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker])
@@ -64,13 +68,13 @@ def make_app(config: FairgateConfig | None = None, *, backends: list[Backend] | 
     return app
 
 
-def _backends(config: FairgateConfig, on_change: Callable[[], None]) -> list[Backend]:
-    settings = config.gateway
+def _backends(settings: GatewayConfig, engine: EngineConfig,
+              on_change: Callable[[], None]) -> list[Backend]:
     if not settings.backends:
         from engine.async_engine import AsyncEngine  # torch is imported only when embedded
 
-        return [EmbeddedBackend(AsyncEngine(config.engine), settings.backend_waiting_slack)]
-    default_max_model_len = config.engine.max_model_len or DEFAULT_REMOTE_MAX_MODEL_LEN
+        return [EmbeddedBackend(AsyncEngine(engine), settings.backend_waiting_slack)]
+    default_max_model_len = engine.max_model_len or DEFAULT_REMOTE_MAX_MODEL_LEN
     return [RemoteBackend(b, default_max_model_len=default_max_model_len,
                           tokenizer_file=settings.tokenizer,
                           poll_interval=settings.backend_poll_interval_s,

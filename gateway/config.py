@@ -1,4 +1,4 @@
-"""GatewayConfig (the `gateway` section of fairgate.yaml) and FairgateConfig (the whole file).
+"""GatewayConfig: the `gateway` section of fairgate.yaml (the whole file is fairgate.config).
 
 Every key has a default; an unknown key or a wrong value is a ValueError naming the key, so
 `fairgate serve` fails at start with one line instead of misbehaving under load.
@@ -6,16 +6,19 @@ Every key has a default; an unknown key or a wrong value is a ValueError naming 
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from engine.config import EngineConfig
-from engine.settings import load_config_file, section
-from tenants import DEFAULT_DATABASE_URL
+from protocol.openai import server_root
+from protocol.validators import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_positive_int,
+    from_mapping,
+)
 
 DISPATCH_POLICIES = ("fair", "fcfs")
 BACKEND_KINDS = ("fairgate", "openai")
@@ -42,15 +45,14 @@ class BackendConfig:
         if not _has_host_and_port(self.url):
             raise ValueError(f"gateway.backends[].url needs a host and a numeric port (if any), "
                              f"got {self.url!r}")
-        _check_choice("gateway.backends[].kind", self.kind, BACKEND_KINDS)
-        _check_int("gateway.backends[].max_inflight", self.max_inflight)
+        check_choice("gateway.backends[].kind", self.kind, BACKEND_KINDS)
+        check_positive_int("gateway.backends[].max_inflight", self.max_inflight)
         if self.max_model_len is not None:
-            _check_int("gateway.backends[].max_model_len", self.max_model_len)
+            check_positive_int("gateway.backends[].max_model_len", self.max_model_len)
 
     @property
     def base_url(self) -> str:
-        base = self.url.rstrip("/")
-        return base[:-3] if base.endswith("/v1") else base
+        return server_root(self.url)
 
 
 @dataclass(frozen=True)
@@ -79,66 +81,32 @@ class GatewayConfig:
     log_requests: bool = False  # never logs keys or bodies; this adds tenant/status/latency lines
 
     def __post_init__(self) -> None:
-        _check_choice("gateway.dispatch", self.dispatch, DISPATCH_POLICIES)
-        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port < 65536:
-            raise ValueError(f"gateway.port must be an integer in 0..65535, got {self.port!r}")
+        check_choice("gateway.dispatch", self.dispatch, DISPATCH_POLICIES)
+        check_int("gateway.port", self.port, low=0, high=65535)
         for name in ("max_body_bytes", "max_queued_requests", "max_queued_tokens",
                      "default_output_tokens"):
-            _check_int(f"gateway.{name}", getattr(self, name))
-        _check_int("gateway.backend_waiting_slack", self.backend_waiting_slack, low=0)
-        if (isinstance(self.dispatch_headroom, bool)
-                or not isinstance(self.dispatch_headroom, int | float)
-                or not 0 <= self.dispatch_headroom < 1):
-            raise ValueError(f"gateway.dispatch_headroom must be a fraction in [0, 1), got "
-                             f"{self.dispatch_headroom!r}")
+            check_positive_int(f"gateway.{name}", getattr(self, name))
+        check_int("gateway.backend_waiting_slack", self.backend_waiting_slack, low=0)
+        check_number("gateway.dispatch_headroom", self.dispatch_headroom, low=0, high=1,
+                     open_high=True)
         for name in ("request_timeout_s", "client_timeout_s", "queue_timeout_s",
                      "output_estimate_window_s", "backend_poll_interval_s",
                      "backend_retry_after_s"):
-            _check_float(f"gateway.{name}", getattr(self, name))
+            check_number(f"gateway.{name}", getattr(self, name), low=0, open_low=True)
         if self.admin_key is not None and (not isinstance(self.admin_key, str)
                                            or len(self.admin_key) < 16):
             raise ValueError("gateway.admin_key must be a string of at least 16 characters")
         for name in ("demo_tenant", "log_requests"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"gateway.{name} must be true or false")
+            check_bool(f"gateway.{name}", getattr(self, name))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> GatewayConfig:
         values = dict(values or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown gateway setting(s): {', '.join(unknown)}; "
-                             f"known settings are: {', '.join(sorted(known))}")
-        backends = values.pop("backends", None) or []
+        backends = values.get("backends") or []
         if not isinstance(backends, list):
             raise ValueError("gateway.backends must be a list of {url: ...} mappings")
-        return cls(backends=tuple(_backend(b) for b in backends), **values)
-
-
-@dataclass(frozen=True)
-class FairgateConfig:
-    """What `fairgate serve` needs from fairgate.yaml; other sections belong to other tools."""
-
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    database: str = DEFAULT_DATABASE_URL
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FairgateConfig:
-        database = data.get("database") or DEFAULT_DATABASE_URL
-        if isinstance(database, dict):  # `database: {url: ...}`, as the tenants CLI accepts
-            database = database.get("url")
-        if not isinstance(database, str) or not database:
-            raise ValueError("database must be a database URL string, e.g. "
-                             "sqlite:///fairgate.db or postgresql://user@host/db")
-        return cls(engine=EngineConfig.from_dict(section(data, "engine")),
-                   gateway=GatewayConfig.from_dict(section(data, "gateway")),
-                   database=database)
-
-    @classmethod
-    def load(cls, path: str | Path | None) -> FairgateConfig:
-        return cls.from_dict(load_config_file(path))
+        values["backends"] = tuple(_backend(b) for b in backends)
+        return from_mapping(cls, values, "gateway")
 
 
 def _backend(value: Any) -> BackendConfig:
@@ -146,14 +114,7 @@ def _backend(value: Any) -> BackendConfig:
         return BackendConfig(url=value)
     if not isinstance(value, dict):
         raise ValueError(f"gateway.backends entries must be mappings with a url, got {value!r}")
-    known = {f.name for f in dataclasses.fields(BackendConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"unknown gateway.backends setting(s): {', '.join(unknown)}; "
-                         f"known settings are: {', '.join(sorted(known))}")
-    if "url" not in value:
-        raise ValueError("each gateway.backends entry needs a url")
-    return BackendConfig(**value)
+    return from_mapping(BackendConfig, value, "gateway.backends")
 
 
 def _has_host_and_port(url: str) -> bool:
@@ -165,18 +126,3 @@ def _has_host_and_port(url: str) -> bool:
         return False
     return bool(parts.hostname)
 
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {' | '.join(choices)}, got {value!r}")
-
-
-def _check_int(name: str, value: object, low: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def _check_float(name: str, value: object) -> None:
-    if (isinstance(value, bool) or not isinstance(value, int | float)
-            or not math.isfinite(value) or value <= 0):
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")

@@ -5,12 +5,11 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.auth import Authenticator
-from gateway.config import FairgateConfig, GatewayConfig
+from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.service import Gateway
 from tenants import TenantStore
 
-CONFIG = web.AppKey("fairgate_config", FairgateConfig)
 SETTINGS = web.AppKey("gateway_settings", GatewayConfig)
 GATEWAY = web.AppKey("gateway", Gateway)
 AUTH = web.AppKey("gateway_auth", Authenticator)

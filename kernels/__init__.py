@@ -1,4 +1,6 @@
-"""Kernels for the engine's hot paths: each Triton kernel beside a PyTorch reference.
+"""fairgate-package: kernels
+
+Kernels for the engine's hot paths: each Triton kernel beside a PyTorch reference.
 
 `get_ops("torch")` returns the references (CPU engine, and the contract the kernels are tested
 against); `get_ops("triton")` the Triton launchers, which check shapes, dtypes and strides before

@@ -71,6 +71,13 @@ class OpenAIRequest:
         return self.endpoint == "chat"
 
 
+def server_root(url: str) -> str:
+    """An OpenAI base URL given with or without its /v1 (as clients and servers spell it)
+    as the server's root, where /v1/..., /health and /load hang."""
+    base = url.rstrip("/")
+    return base[:-3] if base.endswith("/v1") else base
+
+
 # ---- the body ------------------------------------------------------------------------------
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 

@@ -1,4 +1,7 @@
-"""Tenants: SQLAlchemy models, key hashing, the tenant store, YAML import and the usage ledger."""
+"""fairgate-package: tenants
+
+Tenants: SQLAlchemy models, key hashing, the tenant store, YAML import and the usage ledger.
+"""
 
 from tenants.db import DEFAULT_DATABASE_URL, normalize_url
 from tenants.keys import KEY_PREFIX, generate_key, hash_key

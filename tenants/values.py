@@ -7,12 +7,14 @@ user can act on.
 
 from __future__ import annotations
 
-import math
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 from protocol.priority import PRIORITIES
+from protocol.validators import check_bool, check_number, check_positive_int
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -33,18 +35,13 @@ class KeyNotFoundError(TenantError):
     pass
 
 
-def check_positive(name: str, value: object, kind: type = float, optional: bool = True) -> None:
-    """Accept None (unlimited, when `optional`) or a finite number > 0; ints where `kind` is int."""
-    unset = " (or unset for unlimited)" if optional else ""
-    if value is None and optional:
-        return
-    # bool is an int subclass; `max_concurrent: true` in YAML is a mistake, not 1.
-    numeric = (int,) if kind is int else (int, float)
-    if isinstance(value, bool) or not isinstance(value, numeric):
-        wanted = "an integer" if kind is int else "a number"
-        raise TenantError(f"{name} must be {wanted} > 0{unset}, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise TenantError(f"{name} must be > 0{unset}, got {value!r}")
+@contextmanager
+def _tenant_errors(hint: str = "") -> Iterator[None]:
+    """protocol.validators' ValueErrors as TenantErrors, the one error type tenants raise."""
+    try:
+        yield
+    except ValueError as error:
+        raise TenantError(f"{error}{hint}") from None
 
 
 @dataclass(frozen=True)
@@ -61,8 +58,14 @@ class TenantLimits:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            kind = float if f.name.endswith("_s") else int
-            check_positive(f.name, getattr(self, f.name), kind)
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            with _tenant_errors(hint="; leave it unset for no limit"):
+                if f.name.endswith("_s"):
+                    check_number(f.name, value, low=0, open_low=True)
+                else:
+                    check_positive_int(f.name, value)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -87,12 +90,13 @@ class TenantInfo:
                 f"tenant name {self.name!r} must be 1-64 characters of letters, digits, '.', '_'"
                 " or '-', starting with a letter or digit"
             )
-        check_positive("weight", self.weight, optional=False)
-        # An SLO target of None means "no target", the same shape as an unlimited limit.
-        check_positive("slo_ttft_p99_s", self.slo_ttft_p99_s)
-        check_positive("slo_itl_p99_s", self.slo_itl_p99_s)
-        if not isinstance(self.enabled, bool):
-            raise TenantError(f"enabled must be true or false, got {self.enabled!r}")
+        with _tenant_errors():
+            check_number("weight", self.weight, low=0, open_low=True)
+            # An SLO target of None means "no target", the same shape as an unlimited limit.
+            for name in ("slo_ttft_p99_s", "slo_itl_p99_s"):
+                if getattr(self, name) is not None:
+                    check_number(name, getattr(self, name), low=0, open_low=True)
+            check_bool("enabled", self.enabled)
         if not isinstance(self.limits, TenantLimits):
             raise TenantError("limits must be a TenantLimits")
         self._check_priorities()

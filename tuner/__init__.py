@@ -1,4 +1,6 @@
-"""Workloads, traces, the load generator and (later) the Optuna tuner.
+"""fairgate-package: tuner
+
+Workloads, traces, the load generator and (later) the Optuna tuner.
 
 `import tuner` stays cheap: the names below load their modules on first use.
 """

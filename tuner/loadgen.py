@@ -24,7 +24,9 @@ from typing import Any
 import aiohttp
 import yarl
 
+from protocol.openai import server_root, token_choices
 from protocol.sse import SSEReader
+from protocol.validators import check_choice, check_positive_int
 from tuner.report import OK, Report, RequestResult
 from tuner.traces import TraceRequest
 from tuner.workload import (
@@ -56,17 +58,13 @@ class Target:
     model: str | None = None  # None = first id of GET /v1/models, else "default"
 
     def __post_init__(self) -> None:
-        if self.endpoint not in ENDPOINTS:
-            raise ValueError(
-                f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}"
-            )
+        check_choice("endpoint", self.endpoint, ENDPOINTS)
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"--url must start with http:// or https://, got {self.url!r}")
 
     @property
     def base(self) -> str:
-        base = self.url.rstrip("/")
-        return base[:-3] if base.endswith("/v1") else base
+        return server_root(self.url)
 
 
 @dataclass(frozen=True)
@@ -80,10 +78,9 @@ class RunOptions:
     extra_body: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
-        if self.tokenizer not in TOKENIZERS:
-            raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZERS)}")
+        if self.max_concurrency is not None:
+            check_positive_int("max_concurrency", self.max_concurrency)
+        check_choice("tokenizer", self.tokenizer, TOKENIZERS)
 
 
 @dataclass(frozen=True)
@@ -340,7 +337,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, start: float, result: Reque
                 result.status, result.error = "stream error", _error_message(data)
                 return
             usage = parsed.get("usage") or usage
-            tokens += _token_events(parsed.get("choices"))
+            tokens += token_choices(parsed.get("choices"))
         if tokens:
             stamps.extend([now] * tokens)
     _finish(result, start, time.perf_counter(), stamps, usage)
@@ -352,20 +349,6 @@ def _parse_event(data: bytes) -> dict[str, Any] | None:
         return None
     event = json.loads(data)
     return event if isinstance(event, dict) else None
-
-
-def _token_events(choices: list[dict[str, Any]] | None) -> int:
-    """How many choices in this event carry generated text. Empty text still counts (a byte
-    token may decode to nothing yet) unless it is the chat role preamble or the finish marker."""
-    count = 0
-    for choice in choices or ():
-        delta = choice.get("delta")
-        text = choice.get("text") if delta is None else delta.get("content")
-        if text or (
-            text == "" and choice.get("finish_reason") is None and "role" not in (delta or {})
-        ):
-            count += 1
-    return count
 
 
 def _finish(

@@ -36,7 +36,7 @@ import json
 import math
 import os
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
@@ -44,9 +44,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from protocol.validators import (
+    check_choice,
+    check_int,
+    check_known_keys,
+    check_number,
+    check_positive_int,
+    from_mapping,
+)
 from tuner.traces import BLOCK_TOKENS, TraceRequest, load_trace
 
 ARRIVALS = ("poisson", "gamma", "constant", "trace")
+LENGTH_DISTS = ("fixed", "uniform", "lognormal")
 
 
 # ----------------------------------------------------------------------------- specs
@@ -65,12 +74,13 @@ class Lengths:
     tail_tokens: int = 30_000
 
     def __post_init__(self) -> None:
-        if self.dist not in ("fixed", "uniform", "lognormal"):
-            raise ValueError(f"length dist must be fixed, uniform or lognormal, got {self.dist!r}")
-        if not 1 <= self.low <= self.high:
-            raise ValueError(f"lengths need 1 <= low ({self.low}) <= high ({self.high})")
-        if self.value < 1 or not 0.0 <= self.tail_prob <= 1.0:
-            raise ValueError("lengths need value >= 1 and 0 <= tail_prob <= 1")
+        check_choice("dist", self.dist, LENGTH_DISTS)
+        for name in ("value", "low", "high", "tail_tokens"):
+            check_positive_int(name, getattr(self, name))
+        check_number("sigma", self.sigma, low=0)
+        check_number("tail_prob", self.tail_prob, 0.0, 1.0)
+        if self.low > self.high:
+            raise ValueError(f"lengths need low ({self.low}) <= high ({self.high})")
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         if self.dist == "fixed":
@@ -95,7 +105,7 @@ class Lengths:
         if isinstance(spec, list | tuple) and len(spec) == 2:
             return cls("uniform", low=int(spec[0]), high=int(spec[1]))
         if isinstance(spec, dict):
-            return cls(**_known_fields(cls, spec, "lengths"))
+            return from_mapping(cls, spec, "lengths")
         raise ValueError(f"lengths must be an int, [low, high] or a mapping, got {spec!r}")
 
 
@@ -112,8 +122,9 @@ class Synthetic:
     default_rate: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.prefix_groups < 0 or self.prefix_tokens < 0:
-            raise ValueError("prefix_groups and prefix_tokens must be >= 0")
+        check_int("prefix_groups", self.prefix_groups, low=0)
+        check_int("prefix_tokens", self.prefix_tokens, low=0)
+        check_number("default_rate", self.default_rate, low=0, open_low=True)
 
 
 @dataclass(frozen=True)
@@ -142,14 +153,12 @@ class LoadShape:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.arrivals is not None and self.arrivals not in ARRIVALS:
-            raise ValueError(
-                f"arrivals must be one of {', '.join(ARRIVALS)}, got {self.arrivals!r}"
-            )
-        if self.rate is not None and self.rate <= 0:
-            raise ValueError(f"rate must be > 0 requests/s, got {self.rate}")
-        if self.burstiness <= 0 or self.speed <= 0:
-            raise ValueError("burstiness and speed must be > 0")
+        if self.arrivals is not None:
+            check_choice("arrivals", self.arrivals, ARRIVALS)
+        if self.rate is not None and self.rate != math.inf:  # inf: everything at once
+            check_number("rate", self.rate, low=0, open_low=True)
+        check_number("burstiness", self.burstiness, low=0, open_low=True)
+        check_number("speed", self.speed, low=0, open_low=True)
         if self.duration is None and self.num_requests is None:
             raise ValueError("give a duration or a number of requests (or both)")
 
@@ -272,15 +281,8 @@ def parse_workload(spec: Any, base_dir: Path | None = None) -> Workload:
     for key in ("prompt_tokens", "output_tokens"):
         if key in spec:
             spec[key] = Lengths.parse(spec[key])
-    return replace(start, **_known_fields(Synthetic, spec, "workload"))
-
-
-def _known_fields(cls: Any, values: Mapping[str, Any], what: str) -> dict[str, Any]:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown {what} field(s) {', '.join(unknown)}; known: {sorted(known)}")
-    return dict(values)
+    check_known_keys("workload", spec, [f.name for f in dataclasses.fields(Synthetic)])
+    return replace(start, **spec)
 
 
 def load_workload_file(path: str | Path) -> MixSpec:
@@ -292,18 +294,17 @@ def load_workload_file(path: str | Path) -> MixSpec:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         return _parse_mix(data, path)
-    except (TypeError, yaml.YAMLError, json.JSONDecodeError) as exc:
-        # Wrong types (rate: fast) and syntax errors become one line naming the file.
+    except (ValueError, TypeError, yaml.YAMLError) as exc:
+        # Bad values, wrong types and syntax errors (JSONDecodeError is a ValueError) become
+        # one line naming the file.
         raise ValueError(f"{path}: {exc}") from None
 
 
 def _parse_mix(data: Any, path: Path) -> MixSpec:
     if not isinstance(data, dict) or not isinstance(data.get("tenants"), list):
-        raise ValueError(f"{path}: a workload file is a mapping with a 'tenants' list")
-    shape_keys = {f.name for f in dataclasses.fields(LoadShape)}
-    unknown = set(data) - shape_keys - {"tenants"}
-    if unknown:
-        raise ValueError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
+        raise ValueError("a workload file is a mapping with a 'tenants' list")
+    shape_keys = [f.name for f in dataclasses.fields(LoadShape)]
+    check_known_keys("workload file", data, [*shape_keys, "tenants"])
     shape = LoadShape(**{k: v for k, v in data.items() if k in shape_keys})
     tenants = tuple(_parse_tenant(t, path) for t in data["tenants"])
     return MixSpec(tenants, shape)
@@ -311,10 +312,10 @@ def _parse_mix(data: Any, path: Path) -> MixSpec:
 
 def _parse_tenant(entry: Any, path: Path) -> TenantMix:
     if not isinstance(entry, dict) or "tenant" not in entry:
-        raise ValueError(f"{path}: each tenant entry needs a 'tenant' name, got {entry!r}")
+        raise ValueError(f"each tenant entry needs a 'tenant' name, got {entry!r}")
     entry = dict(entry)
     entry["workload"] = parse_workload(entry.get("workload", "fixed"), path.parent)
-    return TenantMix(**_known_fields(TenantMix, entry, f"tenant ({path})"))
+    return from_mapping(TenantMix, entry, "tenant")
 
 
 # ----------------------------------------------------------------------------- building

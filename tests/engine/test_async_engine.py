@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, RequestOutput
+from tests.support.waiting import wait_for
 
 
 def sim_config(**changes: Any) -> EngineConfig:
@@ -38,15 +38,6 @@ async def collect(engine: AsyncEngine, request_id: str, prompt: list[int] | None
                   **params: Any) -> list[RequestOutput]:
     return [out async for out in engine.generate(request_id, [1, 2, 3] if prompt is None else prompt,
                                                  SamplingParams(**params))]
-
-
-async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait until `condition()` holds (checked every millisecond); fail after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition still false after {timeout} s")
-        await asyncio.sleep(0.001)
 
 
 def assert_all_blocks_free(engine: AsyncEngine) -> None:

@@ -33,11 +33,11 @@ def test_unknown_knob_from_yaml_is_named() -> None:
 
 
 @pytest.mark.parametrize(("knobs", "message"), [
-    (dict(max_tokens=0), "max_tokens must be >= 1"),
+    (dict(max_tokens=0), "max_tokens must be a positive integer, got 0"),
     (dict(temperature=-1.0), "temperature must be in"),
     (dict(top_p=0.0), "top_p must be in (0.0, 1.0]"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens (5) must be <= max_tokens (2)"),
-    (dict(max_tokens=True), "max_tokens must be an integer"),
+    (dict(max_tokens=True), "max_tokens must be a positive integer, got True"),
 ])
 def test_bad_sampling_params(knobs: dict, message: str) -> None:
     with pytest.raises(ValueError) as info:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import build_config, parse_overrides
-from gateway.cli import main
+from fairgate.cli import main
+from fairgate.engine_cli import build_config, parse_overrides
 
 ROOT = Path(__file__).parents[2]
 
@@ -35,7 +35,7 @@ def test_file_section_and_overrides(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("yaml_text", "overrides", "message"), [
     ("engine:\n  max_num_seqs: [\n", [], "invalid YAML"),
     ("engine:\n  bogus: 1\n", [], "unknown engine setting"),
-    ("engine: {}\n", ["memory_fraction=lots"], "invalid engine setting"),
+    ("engine: {}\n", ["memory_fraction=lots"], "memory_fraction must be a number in (0, 1]"),
     ("engine: {}\n", ["max_num_seqs"], "KNOB=VALUE"),
     ("engine: {}\n", ["policy=random"], "policy must be one of"),
 ])
@@ -60,7 +60,7 @@ def free_port() -> int:
 def test_engine_server_starts_serves_and_stops_on_sigint() -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "engine", "--port", str(port),
+        [sys.executable, "-m", "fairgate", "engine", "--port", str(port),
          "--set", "executor=sim", "--set", "sim_model=tiny", "--set", "num_kv_blocks=256",
          "--metrics-compat", "vllm"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -93,7 +93,7 @@ def test_port_in_use_is_one_line_and_exit_2() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "gateway.cli", "engine", "--port", str(port),
+            [sys.executable, "-m", "fairgate", "engine", "--port", str(port),
              "--set", "executor=sim", "--set", "sim_model=tiny", "--set", "num_kv_blocks=256"],
             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
             text=True, timeout=120)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +16,7 @@ from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams, StepOu
 from engine.async_engine import AsyncEngine, EngineStopped
 from engine.llm_engine import CUMULATIVE_COUNTERS
 from engine.reconfigure import Draining, Idle, Reconfigurer, ReconfigureRequest
+from tests.support.waiting import wait_for
 
 # A rebuild that fails: validation passes, but sizing the KV pool from 1e-6 of the simulated
 # device's memory leaves no room for one max_model_len request.
@@ -164,15 +163,6 @@ CHANGES: list[dict[str, Any]] = [
     {"max_num_seqs": 8, "max_num_batched_tokens": 256},
 ]
 PROMPTS = [list(range(1, 33)) + [40 + k] * (8 + k) for k in range(3)]  # a shared 2-block prefix
-
-
-async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait until `condition()` holds (checked every millisecond); fail after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition still false after {timeout} s")
-        await asyncio.sleep(0.001)
 
 
 class Recorder:

@@ -109,8 +109,9 @@ async def test_unknown_route_and_wrong_method(client: Client) -> None:
 
 
 # ---- fuzz ------------------------------------------------------------------------------------
-JSON_LEAVES = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(
-    max_size=12)
+TEXTS = st.text(max_size=12) | st.text(alphabet=st.characters(categories=["Cs", "L", "N"]),
+                                      max_size=12)  # lone surrogates: unencodable
+JSON_LEAVES = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | TEXTS
 JSON_VALUES = st.recursive(JSON_LEAVES, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
     st.text(max_size=8), inner, max_size=3), max_leaves=8)
 FIELDS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.app import make_app
-from gateway.config import FairgateConfig, GatewayConfig
+from gateway.config import GatewayConfig
 from tests.gateway.helpers import SIM_ENGINE, ServerThread, create_tenants
 
 
@@ -22,9 +22,8 @@ def db_url(tmp_path: Any) -> str:
 def served_gateway(tmp_path: Any) -> Iterator[tuple[ServerThread, str]]:
     db_url = f"sqlite+aiosqlite:///{tmp_path / 'served.db'}"
     keys = asyncio.run(create_tenants(db_url, {"acme": {}}))
-    config = FairgateConfig(engine=SIM_ENGINE, database=db_url,
-                            gateway=GatewayConfig(demo_tenant=False, max_body_bytes=4096))
-    with ServerThread(make_app(config)) as server:
+    config = GatewayConfig(demo_tenant=False, max_body_bytes=4096)
+    with ServerThread(make_app(config, engine=SIM_ENGINE, database=db_url)) as server:
         yield server, keys["acme"]
 
 

@@ -16,7 +16,7 @@ from aiohttp import web
 from engine import EngineConfig
 from gateway.app import make_app
 from gateway.backends import Job, Outcome
-from gateway.config import FairgateConfig, GatewayConfig
+from gateway.config import GatewayConfig
 from gateway.state import GATEWAY
 from protocol.openai import OpenAIRequest, prompt_text
 from tenants import TenantLimits, TenantStore
@@ -134,9 +134,8 @@ async def start_gateway(aiohttp_client: Any, db_url: str, *,
     keys = await create_tenants(db_url, tenants if tenants is not None else {"acme": {}})
     settings = {"demo_tenant": False, "admin_key": "admin-key-0123456789",
                 "backend_poll_interval_s": 0.02, **(gateway or {})}
-    config = FairgateConfig(engine=engine, gateway=GatewayConfig.from_dict(settings),
-                            database=db_url)
-    app = make_app(config, backends=backends, **make_kwargs)
+    app = make_app(GatewayConfig.from_dict(settings), engine=engine, database=db_url,
+                   backends=backends, **make_kwargs)
     client = await aiohttp_client(app)
     return Harness(client, app, keys)
 

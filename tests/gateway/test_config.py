@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import FairgateConfig, GatewayConfig
+from fairgate.config import FairgateConfig
+from gateway.config import GatewayConfig
 
 
 def test_defaults() -> None:

@@ -12,18 +12,25 @@ from hypothesis import strategies as st
 
 from tests.gateway.helpers import ServerThread
 
+
+def texts(max_size: int) -> st.SearchStrategy[str]:
+    """Text, sometimes with lone surrogates (JSON escapes them as \\ud800): unencodable."""
+    return st.text(max_size=max_size) | st.text(
+        alphabet=st.characters(categories=["Cs", "L", "N"]), max_size=max_size)
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
-    | st.text(max_size=30),
+    | texts(30),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                 max_size=4),
     max_leaves=12)
 
 fields = {
     "model": st.sampled_from(["random:tiny", "nope", ""]) | json_values,
-    "prompt": st.text(max_size=60) | json_values,
+    "prompt": texts(60) | json_values,
     "messages": st.lists(st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "system", "bot"]), "content": st.text(max_size=20)
+        {"role": st.sampled_from(["user", "system", "bot"]), "content": texts(20)
          | json_values}), max_size=3) | json_values,
     "max_tokens": st.integers(-5, 3000) | json_values,
     "stream": st.booleans() | json_values,

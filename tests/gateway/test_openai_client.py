@@ -25,7 +25,7 @@ def serve(tmp_path: Path) -> Iterator[tuple[str, str]]:
     config.write_text(f"database: sqlite:///{tmp_path / 'fg.db'}\n"
                       "engine:\n  executor: sim\n  max_model_len: 1024\n"
                       f"gateway:\n  port: {port}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "-c", str(config)],
+    proc = subprocess.Popen([sys.executable, "-m", "fairgate", "serve", "-c", str(config)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine
@@ -43,6 +45,32 @@ async def test_openai_backend_passthrough_gets_salt(aiohttp_client: Any, aiohttp
     assert events[-1]["usage"]["completion_tokens"] == 3
     sent = fake[SCRIPT].received[-1]
     assert sent["cache_salt"] == "acme" and "priority" not in sent
+
+
+@pytest.mark.parametrize("line_end", ["\r\n", "\r"])
+async def test_stream_from_a_backend_with_crlf_or_cr_line_ends(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str, line_end: str) -> None:
+    """sse-starlette (llama-cpp-python's server) ends SSE lines with CRLF: the client still gets
+    every token and [DONE], and the tenant is charged the backend's reported usage."""
+    fake = make_fake_app(model="fake-model", ttft=0.001, itl=0.001, line_end=line_end)
+    server = await aiohttp_server(fake)
+    h = await start_gateway(aiohttp_client, db_url, gateway={
+        "backends": [{"url": str(server.make_url("/")), "kind": "openai"}]})
+    for path, body in (("/v1/completions", completion(model="fake-model", max_tokens=4)),
+                       ("/v1/chat/completions", {"model": "fake-model", "max_tokens": 4,
+                                                 "messages": [{"role": "user", "content": "x"}]})):
+        resp = await h.post("acme", {**body, "stream": True,
+                                     "stream_options": {"include_usage": True}}, path=path)
+        raw = await resp.read()
+        assert resp.status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw
+        events = [json.loads(line[6:]) for line in raw.split(b"\n")
+                  if line.startswith(b"data: {")]
+        texts = [c.get("text") or c.get("delta", {}).get("content") or ""
+                 for e in events for c in e["choices"]]
+        assert "".join(texts) == "aaaa" and events[-1]["usage"]["completion_tokens"] == 4
+    assert h.gateway.limiter.usage("acme")[0] == 2
+    assert h.gateway.metrics.registry.get_sample_value(
+        "fairgate_gateway_tokens_total", {"tenant": "acme", "direction": "out"}) == 8
 
 
 async def test_backend_down_is_503_with_retry_after(aiohttp_client: Any, db_url: str) -> None:

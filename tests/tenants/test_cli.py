@@ -1,4 +1,4 @@
-"""`fairgate tenants ...` and `fairgate keys ...`, in-process through gateway.cli.main and as a
+"""`fairgate tenants ...` and `fairgate keys ...`, in-process through fairgate.cli.main and as a
 real subprocess. CLI tests are sync: the commands run their own event loop."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from gateway.cli import main
+from fairgate.cli import main
 from tenants import TenantStore
 
 T = TypeVar("T")
@@ -85,8 +85,8 @@ def test_tenant_and_key_lifecycle(database_url: str, capsys: pytest.CaptureFixtu
         (["tenants", "create", "acme"], "tenant 'acme' already exists"),
         (["tenants", "create", "new", "--weight", "0"], "weight must be > 0"),
         (["tenants", "create", "new", "--weight", "-1"], "weight must be > 0"),
-        (["tenants", "create", "new", "--max-concurrent", "0"], "max_concurrent must be > 0"),
-        (["tenants", "create", "new", "--tokens-per-min", "-5"], "tokens_per_min must be > 0"),
+        (["tenants", "create", "new", "--max-concurrent", "0"], "max_concurrent must be a positive integer, got 0"),
+        (["tenants", "create", "new", "--tokens-per-min", "-5"], "tokens_per_min must be a positive integer, got -5"),
         (["tenants", "create", "new", "--max-tokens", "lots"], "--max-tokens: expected an integer"),
         (["tenants", "create", "new", "--default-priority", "urgent"], "unknown priority"),
         (["tenants", "update", "ghost", "--weight", "2"], "unknown tenant 'ghost'"),
@@ -158,14 +158,14 @@ def test_database_from_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert cli(capsys, "tenants", "create", "beta", "-c", "other.yaml")[0] == 0
     assert Path("other.db").exists()
     code, _, err = cli(capsys, "tenants", "list", "-c", "missing.yaml")
-    assert code == 2 and "no such config file" in err
+    assert code == 2 and "config file missing.yaml not found" in err
     code, _, err = cli(capsys, "tenants", "list", "--database", "postgresql://postgres@127.0.0.1:1/x")
     assert code == 2 and err.count("\n") == 1 and "database postgresql" in err
 
 
 def _fairgate(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *argv], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "fairgate", *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=60)
 
 

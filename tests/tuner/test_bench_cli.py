@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
+from fairgate.cli import main
 from tuner.bench_cli import ProgressBar
 from tuner.loadgen import Progress
 from tuner.traces import load_trace

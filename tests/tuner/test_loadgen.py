@@ -38,7 +38,8 @@ async def test_ttft_and_itl_match_the_scripted_delays(aiohttp_server: ServerFact
     assert report.failed == 0 and report.total.completed == 6
     for r in report.results:
         assert r.output_tokens == n_out and len(r.itl) == n_out - 1
-        assert ttft <= r.ttft < ttft + 0.04  # type: ignore[operator]
+        # asyncio may wake a timer up to its clock resolution early: allow 2 ms
+        assert ttft - 0.002 <= r.ttft < ttft + 0.04  # type: ignore[operator]
         assert r.tpot == pytest.approx(itl, abs=0.004)
         assert r.e2e == pytest.approx(ttft + (n_out - 1) * itl, abs=0.05)
     gaps = [g for r in report.results for g in r.itl]

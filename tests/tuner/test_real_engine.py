@@ -33,7 +33,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def engine_url() -> Iterator[str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "engine", "--port", str(port)]
+    cmd = [sys.executable, "-m", "fairgate", "engine", "--port", str(port)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tenants.cli_common import add_database_options, run_with_store, table
+from fairgate.tenants_common import add_database_options, run_with_store, table
 from tenants.store import TenantStore, apply_changes
 from tenants.values import TenantError, TenantInfo, TenantLimits
 from tenants.yaml_io import (

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from tenants.cli_common import add_database_options, run_with_store, table, when
+from fairgate.tenants_common import add_database_options, run_with_store, table, when
 from tenants.store import TenantStore
 
 

@@ -1,7 +1,9 @@
-"""The one `fairgate` command: each subcommand lives with the package that owns it.
+"""The one `fairgate` command. A subcommand that reads fairgate.yaml lives in `fairgate/`; one
+that needs no more than its own package (`bench`) lives with that package.
 
 Subcommand modules are imported lazily so `fairgate tenants list` never pays for torch.
-Each module exposes `register(parser)` (add its arguments) and `run(args) -> int`.
+Each module exposes `register(parser)` (add its arguments) and `run(args) -> int`. Before
+anything else, `fairgate.guard` checks that fairgate's import names are fairgate's own.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import argparse
 import importlib
 import sys
 
+from fairgate import guard
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("gateway.serve_cli", "gateway with an embedded or remote engine"),
-    "engine": ("engine.cli", "a standalone engine server"),
-    "tenants": ("tenants.cli", "create, list, update, delete, import, export tenants"),
-    "keys": ("tenants.keys_cli", "create, list, revoke API keys"),
+    "serve": ("fairgate.serve_cli", "gateway with an embedded or remote engine"),
+    "engine": ("fairgate.engine_cli", "a standalone engine server"),
+    "tenants": ("fairgate.tenants_cli", "create, list, update, delete, import, export tenants"),
+    "keys": ("fairgate.keys_cli", "create, list, revoke API keys"),
     "bench": ("tuner.bench_cli", "load test an OpenAI-compatible endpoint"),
 }
 
@@ -32,6 +36,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    shadowed = guard.check()
+    if shadowed is not None:
+        print(shadowed, file=sys.stderr)
+        return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)

@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
+from fairgate.config import database_url, load_config_file
 from tenants.db import DEFAULT_DATABASE_URL
 from tenants.store import TenantStore
 from tenants.values import TenantError
@@ -34,7 +34,8 @@ def add_database_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def database_url(args: argparse.Namespace) -> str:
+def _database_url(args: argparse.Namespace) -> str:
+    """--database, else the `database` of -c FILE or ./fairgate.yaml, else the default."""
     if getattr(args, "database", None):
         return str(args.database)
     path = getattr(args, "config", None)
@@ -42,25 +43,7 @@ def database_url(args: argparse.Namespace) -> str:
         if not Path(DEFAULT_CONFIG).is_file():
             return DEFAULT_DATABASE_URL
         path = DEFAULT_CONFIG
-    return _url_from_config(Path(path))
-
-
-def _url_from_config(path: Path) -> str:
-    if not path.is_file():
-        raise FileNotFoundError(f"no such config file: {path}")
-    try:
-        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.MarkedYAMLError as exc:
-        line = exc.problem_mark.line + 1 if exc.problem_mark else "?"
-        raise TenantError(f"{path}: line {line}: {exc.problem}") from None
-    database = config.get("database") if isinstance(config, dict) else None
-    if isinstance(database, dict):  # `database: {url: ...}` is accepted too
-        database = database.get("url")
-    if database is None:
-        return DEFAULT_DATABASE_URL
-    if not isinstance(database, str):
-        raise TenantError(f"{path}: 'database' must be a URL string")
-    return database
+    return database_url(load_config_file(path))
 
 
 def _redacted(url: str) -> str:
@@ -72,7 +55,7 @@ def _redacted(url: str) -> str:
 
 def run_with_store(args: argparse.Namespace, fn: Callable[[TenantStore], Awaitable[T]]) -> T:
     """Open the store (migrating it), run `fn`, close; database failures become one line."""
-    url = database_url(args)
+    url = _database_url(args)
 
     async def main() -> T:
         store = TenantStore(url, secret=os.environ.get(SECRET_ENV) or None)

@@ -9,8 +9,8 @@ import sys
 from aiohttp import web
 
 from engine.server import freeze_startup_heap, install_fast_event_loop
+from fairgate.config import FairgateConfig
 from gateway.app import DEMO_TENANT, make_app
-from gateway.config import FairgateConfig
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     config = FairgateConfig.load(args.config)
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port
-    app = make_app(config, on_demo_key=print_demo_key)
+    app = make_app(config.gateway, engine=config.engine, database=config.database,
+                   on_demo_key=print_demo_key)
     app.on_startup.append(freeze_startup_heap)  # after the database and backends started
     backends = ", ".join(b.url for b in config.gateway.backends) or (
         f"embedded {config.engine.model} ({config.engine.executor})")

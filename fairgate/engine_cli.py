@@ -14,7 +14,7 @@ import yaml
 
 from engine.config import EngineConfig
 from engine.metrics import COMPAT_CHOICES
-from engine.settings import load_config_file, section
+from fairgate.config import load_config_file, section
 
 DEFAULT_PORT = 8100
 DEFAULT_HOST = "127.0.0.1"

@@ -1,0 +1,86 @@
+"""fairgate.yaml, the whole file: sections `engine`, `gateway`, `database`, `tenants`, `slo`,
+`shadow`, `tuner`. Each package validates its own section (`EngineConfig`, `GatewayConfig`);
+this module reads the file, turns YAML mistakes into one-line errors with the line number, and
+assembles what `fairgate serve` needs (`FairgateConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import EngineConfig
+from gateway.config import GatewayConfig
+from tenants.db import DEFAULT_DATABASE_URL
+
+SECTIONS = ("engine", "gateway", "database", "tenants", "slo", "shadow", "tuner")
+
+
+def load_config_file(path: str | Path | None) -> dict[str, Any]:
+    """The whole file as a mapping ({} when path is None). ValueError for anything malformed."""
+    if path is None:
+        return {}
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read config file {path}: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"{path}{where}: invalid YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
+    unknown = sorted(set(map(str, data)) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"{path}: unknown section(s) {', '.join(unknown)}; "
+                         f"sections are: {', '.join(SECTIONS)}")
+    return data
+
+
+def section(data: dict[str, Any], name: str) -> dict[str, Any]:
+    value = data.get(name) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"config section {name!r} must be a mapping")
+    return value
+
+
+def database_url(data: dict[str, Any]) -> str:
+    """The `database` section: a URL, or `{url: ...}`; unset means the default SQLite file."""
+    value = data.get("database")
+    if isinstance(value, dict):
+        value = value.get("url")
+    if value is None:
+        return DEFAULT_DATABASE_URL
+    if not isinstance(value, str) or not value:
+        raise ValueError("database must be a database URL string, e.g. "
+                         "sqlite:///fairgate.db or postgresql://user@host/db")
+    return value
+
+
+@dataclass(frozen=True)
+class FairgateConfig:
+    """What `fairgate serve` needs from fairgate.yaml; other sections belong to other tools."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    database: str = DEFAULT_DATABASE_URL
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FairgateConfig:
+        return cls(engine=EngineConfig.from_dict(section(data, "engine")),
+                   gateway=GatewayConfig.from_dict(section(data, "gateway")),
+                   database=database_url(data))
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> FairgateConfig:
+        return cls.from_dict(load_config_file(path))
