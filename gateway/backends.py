@@ -243,8 +243,10 @@ class RemoteBackend:
         return self.inflight < self.config.max_inflight
 
     def count_prompt(self, req: OpenAIRequest) -> int:
-        if self.tokenizer is not None or isinstance(req.prompt, list):
-            return len(prompt_token_ids(req, self.tokenizer or ByteTokenizer()))
+        if isinstance(req.prompt, list):
+            return len(req.prompt)
+        if self.tokenizer is not None:
+            return len(prompt_token_ids(req, self.tokenizer))
         return len(prompt_text(req).encode()) // 4 + 1  # documented estimate: ~4 bytes a token
 
     # ---- life cycle -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from gateway.fairqueue import DISPATCH_POLICIES
 from protocol.openai import server_root
 from protocol.validators import (
     check_bool,
@@ -20,7 +21,6 @@ from protocol.validators import (
     from_mapping,
 )
 
-DISPATCH_POLICIES = ("fair", "fcfs")
 BACKEND_KINDS = ("fairgate", "openai")
 
 

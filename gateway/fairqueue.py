@@ -27,8 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.fairness import VTC_COST, VTCCost
+from protocol.priority import PRIORITIES
+from protocol.validators import check_choice
 
-CLASSES = ("interactive", "batch")
+DISPATCH_POLICIES = ("fair", "fcfs")  # fcfs: the baseline, arrival order across tenants
+CLASSES = PRIORITIES  # the priority classes, in the order they are served
 DRAIN_WINDOW_S = 30.0
 SHARE_WINDOW_S = 5.0  # a tenant seen this recently still counts when seats are shared out
 _NO_DRAIN_RETRY_S = 5.0  # nothing drained lately: a guess, bounded so clients come back
@@ -101,9 +104,7 @@ Admit = Callable[[TenantQueue], bool]  # may this tenant's next request be dispa
 class FairQueue:
     def __init__(self, policy: str = "fair", cost: VTCCost = VTC_COST,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if policy not in ("fair", "fcfs"):
-            raise ValueError(f"dispatch policy must be fair or fcfs, got {policy!r}")
-        self.policy = policy
+        self.policy = check_choice("dispatch policy", policy, DISPATCH_POLICIES)
         self.cost = cost
         self.clock = clock
         self.tenants: dict[str, TenantQueue] = {}

@@ -75,6 +75,12 @@ class Admission:
         self.dispatched_at = time.perf_counter()
         return self.backend
 
+    def timing(self, status: int) -> RequestTiming:
+        """Its timing as the gateway saw it, ending now: for the metrics and the ledger."""
+        out = self.outcome
+        return RequestTiming(self.arrival, out.chunk_times, out.completion_tokens,
+                             time.perf_counter(), ok=status == 200)
+
     def settle(self, status: int) -> None:
         if self.settled:
             return
@@ -202,10 +208,11 @@ class Gateway:
                                     out.completion_tokens)
             if status == 200 and out.finish_reason is not None:
                 self.estimator.observe(adm.tenant.name, out.completion_tokens)
-        self._observe(adm, status, ran)
-        self._record(adm, status)
+        timing = adm.timing(status)
+        self._observe(adm, status, ran, timing)
+        self._record(adm, status, timing)
 
-    def _observe(self, adm: Admission, status: int, ran: bool) -> None:
+    def _observe(self, adm: Admission, status: int, ran: bool, timing: RequestTiming) -> None:
         m, name, out = self.metrics, adm.tenant.name, adm.outcome
         m.child("requests", name, str(status)).inc()
         if status in (429, 503) and not ran:
@@ -213,8 +220,6 @@ class Gateway:
             m.child("rejections", name, reason).inc()
         if adm.dispatched_at is not None:
             m.child("queue_time", name).observe(adm.dispatched_at - adm.arrival)
-        timing = RequestTiming(adm.arrival, out.chunk_times, out.completion_tokens,
-                               time.perf_counter(), ok=status == 200)
         if ran:
             m.child("e2e", name).observe(timing.e2e)
             m.child("tokens", name, "in").inc(out.prompt_tokens)
@@ -222,17 +227,16 @@ class Gateway:
         if adm.job.req.stream:  # only a stream has a first token to time
             m.observe_stream(name, timing, SLO(adm.tenant.slo_ttft_p99_s, adm.tenant.slo_itl_p99_s))
 
-    def _record(self, adm: Admission, status: int) -> None:
-        out, now = adm.outcome, time.perf_counter()
-        ttft = (out.chunk_times[0] - adm.arrival) if out.chunk_times else None
-        queue_time = (adm.dispatched_at or now) - adm.arrival
+    def _record(self, adm: Admission, status: int, timing: RequestTiming) -> None:
+        out = adm.outcome
+        queue_time = (adm.dispatched_at or timing.end) - adm.arrival
         ran = adm.backend is not None
         event = UsageEvent(tenant=adm.tenant.name, key_id=adm.principal.key_id,
                            model=adm.job.req.model or "", priority=adm.job.priority,
                            prompt_tokens=out.prompt_tokens if ran else 0,
                            completion_tokens=out.completion_tokens if ran else 0,
-                           status=status, queue_time=queue_time, ttft=ttft,
-                           e2e=now - adm.arrival, created_at=adm.created_at)
+                           status=status, queue_time=queue_time, ttft=timing.ttft,
+                           e2e=timing.e2e, created_at=adm.created_at)
         if self.config.log_requests:  # tenant, status and timings only: never keys or bodies
             log.info("tenant=%s status=%d prompt=%d completion=%d queue=%.3fs e2e=%.3fs",
                      event.tenant, status, event.prompt_tokens, event.completion_tokens,

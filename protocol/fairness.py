@@ -20,8 +20,9 @@ For a request that is never preempted both end at `cost(prompt tokens, output to
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from protocol.validators import check_number
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,7 @@ class VTCCost:
 
     def __post_init__(self) -> None:
         for name in ("input_weight", "output_weight"):
-            value = getattr(self, name)
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value <= 0):
-                raise ValueError(f"VTCCost.{name} must be a finite number > 0, got {value!r}")
+            check_number(f"VTCCost.{name}", getattr(self, name), low=0, open_low=True)
 
     def cost(self, input_tokens: int, output_tokens: int) -> float:
         """Weighted service of `input_tokens` prefill tokens and `output_tokens` output tokens."""

@@ -48,8 +48,7 @@ def check_positive_int(name: str, value: object) -> int:
 def check_number(name: str, value: object, low: float | None = None, high: float | None = None,
                  open_low: bool = False, open_high: bool = False) -> float:
     """A finite int or float in the interval from low to high, each end closed unless open_*."""
-    if (isinstance(value, bool) or not isinstance(value, int | float)
-            or not math.isfinite(value)):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
         finite = "a finite number" if high is None else "a number"
         raise ValueError(f"{name} must be {finite}{_bounds(low, high, open_low, open_high, ' ')}, "
                          f"got {value!r}")
@@ -57,6 +56,13 @@ def check_number(name: str, value: object, low: float | None = None, high: float
             or (high is not None and (value > high or (open_high and value == high)))):
         raise ValueError(f"{name} must be {_bounds(low, high, open_low, open_high)}, got {value!r}")
     return value
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def check_bool(name: str, value: object) -> bool:

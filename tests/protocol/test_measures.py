@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from engine.stats import RequestRecord, StatsRecorder
 from gateway.backends import Outcome
 from gateway.metrics import GatewayMetrics
-from gateway.service import Gateway
+from gateway.service import Admission, Gateway
 from protocol.measures import SLO, RequestTiming, attainment, goodput, percentile, summarize
 from tuner.report import Report, RequestResult
 
@@ -68,7 +68,9 @@ def through_gateway() -> tuple[dict[str, tuple[int, float]], GatewayMetrics]:
                               item=SimpleNamespace(state="done"),
                               job=SimpleNamespace(req=SimpleNamespace(stream=True)))
         # the method itself, on a stand-in gateway: it only needs the metrics
-        Gateway._observe(SimpleNamespace(metrics=metrics), adm, 200 if s.ok else 502, True)
+        status = 200 if s.ok else 502
+        Gateway._observe(SimpleNamespace(metrics=metrics), adm, status, True,
+                         Admission.timing(adm, status))  # type: ignore[arg-type]
 
     def read(metric: str) -> tuple[int, float]:
         name, labels = f"fairgate_gateway_{metric}_seconds", {"tenant": "acme"}

@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from guidellm.schemas.backends import OpenAIHTTPBackendArgs  # noqa: E402
 from gateway.app import make_app  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from tests.gateway.helpers import SIM_ENGINE, ServerThread, create_tenants, free_port  # noqa: E402
+from tests.support.processes import wait_for_output  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -52,18 +52,7 @@ def engine_url() -> Iterator[str]:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=1) as resp:
-                    assert resp.status == 200
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    output = proc.communicate(timeout=10)[0].decode() if proc.poll() is not None \
-                        else "(still running)"
-                    pytest.fail(f"fairgate engine did not come up on {base}: {output}")
-                time.sleep(0.05)
+        wait_for_output(proc, b"serving ")  # logged once the port is open
         yield base
     finally:
         proc.send_signal(signal.SIGINT)
