@@ -5,7 +5,7 @@ Tenants: SQLAlchemy models, key hashing, the tenant store, YAML import and the u
 
 from tenants.db import DEFAULT_DATABASE_URL, normalize_url
 from tenants.keys import KEY_PREFIX, generate_key, hash_key
-from tenants.ledger import LedgerFullError, UsageLedger
+from tenants.ledger import DeadLetter, LedgerFullError, UsageLedger
 from tenants.migrate import migrate
 from tenants.store import TenantStore
 from tenants.values import (
@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_DATABASE_URL",
     "KEY_PREFIX",
     "PRIORITIES",
+    "DeadLetter",
     "DuplicateTenantError",
     "ImportResult",
     "KeyInfo",

@@ -33,6 +33,7 @@ _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncp
                   "postgres": "postgresql+asyncpg"}
 _BUSY_TIMEOUT_S = 30.0
 _LOCK_RETRIES = 8
+_PG_CONNECT_TIMEOUT_S = 5.0
 
 
 def normalize_url(url: str) -> str:
@@ -83,6 +84,9 @@ class Database:
             kwargs["connect_args"] = {"timeout": _BUSY_TIMEOUT_S}
         else:
             kwargs["pool_pre_ping"] = True
+            # asyncpg waits 60 s for a connection by default: a partitioned database would hold
+            # every caller that long before anyone hears it is unreachable
+            kwargs["connect_args"] = {"timeout": _PG_CONNECT_TIMEOUT_S}
         self.engine = create_async_engine(self.url, **kwargs)
         write_engine = self.engine
         if self.is_sqlite:

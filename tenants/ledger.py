@@ -1,11 +1,24 @@
 """UsageLedger: write-behind usage records and the queries over them.
 
-`record()` is synchronous and O(1): it appends to an in-memory buffer that a background task
-writes in one transaction per batch every `flush_interval` seconds. At `max_pending` buffered
-events the flusher is woken at once; if the database cannot keep up (or is down) and the buffer
-reaches twice that, `record()` raises `LedgerFullError` - loud backpressure the gateway turns into
-a 503, never a silent drop. A failed flush keeps its batch and retries. `close()` flushes
-everything and raises if it cannot, so a graceful shutdown loses nothing.
+`record()` is synchronous and O(1): it normalises the event into a row fg_usage always accepts
+and appends it to an in-memory buffer that a background task writes in one transaction per batch
+every `flush_interval` seconds. At `max_pending` buffered rows the flusher is woken at once; if the
+database cannot keep up (or is down) and the buffer reaches twice that, `record()` raises
+`LedgerFullError` - loud backpressure the gateway turns into a 503, never a silent drop.
+
+Normalising (`normalise_row`) is what keeps one request from poisoning the ledger for everyone:
+text becomes valid Unicode without control characters or line separators (each one replaced by
+U+FFFD) cut to its column's length, integers are clamped to their column's range (token counts to >= 0),
+NaN and infinite latencies become None and a non-finite timestamp becomes "now". The bounds come
+from the `UsageRow` columns. A field of the wrong type is refused at once with a TypeError.
+
+Should the database still refuse a row, a failed write tells the two kinds of failure apart
+(`is_refusal`). The database being unreachable or overloaded keeps the batch and retries it later.
+The database refusing the data bisects the batch: the good rows are written and each refused row
+is set aside, with the reason, in fg_usage_dead_letters (`dead_letters()` lists them;
+`dead_lettered` counts them), or, if even that insert fails, in a JSONL file and the log. So a bad
+row never blocks the rows behind it. `close()` flushes everything and raises only when the
+database is unreachable, so a graceful shutdown loses nothing.
 
 Queries see flushed records only (call `flush()` first when that matters). Percentiles are
 nearest-rank, computed in SQL with ORDER BY/OFFSET so they work alike on SQLite and PostgreSQL
@@ -16,78 +29,322 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
+import numbers
+import os
+import re
+import tempfile
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, cast
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Float,
+    Integer,
+    SmallInteger,
+    String,
+    Table,
+    func,
+    insert,
+    select,
+)
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
 
-from tenants.models import UsageRow
+from tenants.models import UsageDeadLetterRow, UsageRow
 from tenants.store import TenantStore
 from tenants.values import UsageEvent
 
 log = logging.getLogger(__name__)
 
+Row = dict[str, Any]
+
 _INSERT_CHUNK = 2_000
 LATENCY_COLUMNS = ("ttft", "e2e", "queue_time")
+DEFAULT_DEAD_LETTER_PATH = Path(tempfile.gettempdir()) / "fairgate-usage-dead-letters.jsonl"
 
 
 class LedgerFullError(RuntimeError):
     """The usage buffer is full because the database is not keeping up."""
 
 
-def _event_row(e: UsageEvent) -> dict[str, Any]:
+# -- normalising: every field bounded before it reaches the buffer ------------------------------
+
+# C0 and C1 controls (NUL among them: PostgreSQL refuses it in text), the line and paragraph
+# separators (line breaks to a log reader) and lone surrogates (no database can encode them).
+_UNSAFE_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_COUNT_COLUMNS = frozenset({"prompt_tokens", "completion_tokens"})  # never negative
+Cleaner = Callable[[str, Any], Any]  # (field name, value) -> storable value, None if it has none
+
+
+def clean_text(value: str, max_length: int) -> str:
+    """`value` cut to `max_length` characters, every unsafe character replaced by U+FFFD."""
+    value = value[:max_length]
+    if _UNSAFE_CHARS.search(value) is not None:
+        value = _UNSAFE_CHARS.sub("\ufffd", value)
+    return value
+
+
+def _wrong_type(name: str, expected: str, value: object) -> TypeError:
+    return TypeError(f"usage field {name!r} must be {expected}, got {type(value).__name__}")
+
+
+def _string_cleaner(max_length: int) -> Cleaner:
+    def clean(name: str, value: object) -> str:
+        if type(value) is str and len(value) <= max_length and value.isprintable():
+            return value  # the usual case, kept cheap
+        if not isinstance(value, str):
+            raise _wrong_type(name, "a string", value)
+        return clean_text(value, max_length)
+
+    return clean
+
+
+def _integer_cleaner(low: int, high: int) -> Cleaner:
+    def clean(name: str, value: object) -> int:
+        if type(value) is int and low <= value <= high:  # the usual case, kept cheap
+            return value
+        if not isinstance(value, numbers.Integral):
+            raise _wrong_type(name, "an integer", value)
+        return min(max(int(value), low), high)
+
+    return clean
+
+
+def _clean_real(name: str, value: object) -> float | None:
+    """A finite float, or None for NaN and +-inf (nothing sums or orders those sensibly)."""
+    if type(value) is float:
+        return value if math.isfinite(value) else None
+    if not isinstance(value, numbers.Real):
+        raise _wrong_type(name, "a number", value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond any float
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _integer_range(kind: Integer) -> tuple[int, int]:
+    # Integer is 32-bit on PostgreSQL (SQLite would take 64); the narrower bound fits both.
+    bits = 64 if isinstance(kind, BigInteger) else 16 if isinstance(kind, SmallInteger) else 32
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
+def _text_length(column: Column[Any]) -> int:
+    assert isinstance(column.type, String) and column.type.length, f"{column} needs a length"
+    return column.type.length
+
+
+def _cleaner(column: Column[Any]) -> Cleaner:
+    kind = column.type
+    if isinstance(kind, String):
+        return _string_cleaner(_text_length(column))
+    if isinstance(kind, Integer):
+        low, high = _integer_range(kind)
+        return _integer_cleaner(0 if column.name in _COUNT_COLUMNS else low, high)
+    if isinstance(kind, Float):
+        return _clean_real
+    raise TypeError(f"no normaliser for fg_usage.{column.name} of type {kind}")
+
+
+class _ColumnRule(NamedTuple):
+    name: str
+    clean: Cleaner
+    nullable: bool
+
+
+_USAGE_RULES = tuple(_ColumnRule(c.name, _cleaner(c), bool(c.nullable))
+                     for c in cast(Table, UsageRow.__table__).columns if not c.primary_key)
+# What a required column gets when its value is missing or not finite; they run in column order,
+# so finished_at falls back on the created_at already normalised.
+_FALLBACKS: dict[str, Callable[[Row], Any]] = {
+    "created_at": lambda row: time.time(),
+    "finished_at": lambda row: row["created_at"],
+}
+assert [r.name for r in _USAGE_RULES if r.name in _FALLBACKS] == list(_FALLBACKS)
+
+
+def normalise_row(row: Mapping[str, Any]) -> Row:
+    """`row` as fg_usage always stores it (see the module doc); TypeError for a wrong type or a
+    missing required value."""
+    clean: Row = {}
+    for name, cleaner, nullable in _USAGE_RULES:
+        value = row.get(name)
+        if value is not None:
+            value = cleaner(name, value)
+        if value is None and not nullable:
+            fallback = _FALLBACKS.get(name)
+            if fallback is None:
+                raise TypeError(f"usage field {name!r} is required")
+            value = fallback(clean)
+        clean[name] = value
+    return clean
+
+
+def _finished_at(e: UsageEvent) -> Any:
+    try:
+        return e.finished()
+    except (TypeError, ArithmeticError):  # a field of the wrong type or size: normalising says
+        return None
+
+
+def _event_row(e: UsageEvent) -> Row:
     return {
         "tenant": e.tenant,
         "key_id": e.key_id,
         "model": e.model,
         "priority": e.priority,
-        "prompt_tokens": int(e.prompt_tokens),
-        "completion_tokens": int(e.completion_tokens),
-        "status": int(e.status),
+        "prompt_tokens": e.prompt_tokens,
+        "completion_tokens": e.completion_tokens,
+        "status": e.status,
         "queue_time": e.queue_time,
         "ttft": e.ttft,
         "e2e": e.e2e,
-        "created_at": float(e.created_at),
-        "finished_at": float(e.finished()),
+        "created_at": e.created_at,
+        "finished_at": _finished_at(e),
     }
+
+
+# -- telling a refused row from an unreachable database -----------------------------------------
+
+_OUTAGES = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
+            sa_exc.TimeoutError, OSError)  # OSError: ConnectionError and TimeoutError among them
+_REFUSALS = (sa_exc.DataError, sa_exc.IntegrityError, ValueError, TypeError, OverflowError)
+_REFUSED_SQLSTATE_CLASSES = ("22", "23")  # data exception, integrity constraint violation
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc`, the driver error it wraps, what that was raised from, ..."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in chain and len(chain) < 8:
+        chain.append(cause)
+        cause = getattr(cause, "orig", None) or cause.__cause__
+    return chain
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """True when the database refuses the data itself (retrying cannot help: set the row aside);
+    False when it is unreachable or overloaded, or the error is unknown (keep it and retry).
+
+    PostgreSQL's SQLSTATE decides where there is one; otherwise the error's type does.
+    """
+    chain = _causes(exc)
+    for cause in chain:
+        state = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+        if isinstance(state, str) and state:
+            return state[:2] in _REFUSED_SQLSTATE_CLASSES
+    for cause in chain:
+        if isinstance(cause, _OUTAGES):
+            return False
+        if isinstance(cause, _REFUSALS):
+            return True
+    return False
+
+
+# -- dead letters -------------------------------------------------------------------------------
+
+_REASON_LENGTH = _text_length(cast(Table, UsageDeadLetterRow.__table__).c.reason)
+_DEAD_STRING_CHARS = 4_096  # of each string kept in a dead letter: the rest cannot matter
+_LOG_CHARS = 1_000  # of a dead letter in one log line
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A usage row the database refused: the row as it was (strings escaped) and why."""
+
+    id: int
+    row: dict[str, Any]
+    reason: str
+    created_at: float
+
+
+def _json_safe(value: object) -> object:
+    if isinstance(value, str):
+        return value[:_DEAD_STRING_CHARS]
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value if abs(value) < 2**63 else f"<int of {value.bit_length()} bits>"
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    try:
+        return ascii(value)[:_DEAD_STRING_CHARS]
+    except Exception:  # a repr that raises: the type must do
+        return f"<{type(value).__name__}>"
+
+
+def dead_letter_json(row: Mapping[Any, Any]) -> str:
+    """`row` as ASCII-only JSON: every string escaped (NUL, lone surrogates), so it always
+    encodes, and bounded."""
+    return json.dumps({ascii(k) if not isinstance(k, str) else k: _json_safe(v)
+                       for k, v in row.items()}, ensure_ascii=True)
+
+
+def error_summary(exc: BaseException) -> str:
+    """"DBAPIError(CharacterNotInRepertoireError): invalid byte sequence ...": the error and its
+    root cause, bounded, without the SQL and parameters (which may hold the bad data itself)."""
+    root = _causes(exc)[-1]
+    name = type(exc).__name__ if root is exc else f"{type(exc).__name__}({type(root).__name__})"
+    return clean_text(f"{name}: {root}", _REASON_LENGTH)
+
+
+def _append_line(path: Path, line: str) -> None:
+    with path.open("a", encoding="ascii") as f:
+        f.write(line + "\n")
+
+
+# -- the ledger ---------------------------------------------------------------------------------
 
 
 class UsageLedger:
     def __init__(
-        self, store: TenantStore, flush_interval: float = 1.0, max_pending: int = 100_000
+        self, store: TenantStore, flush_interval: float = 1.0, max_pending: int = 100_000,
+        dead_letter_path: str | os.PathLike[str] | None = DEFAULT_DEAD_LETTER_PATH,
+        spill_path: str | os.PathLike[str] | None = None,
     ) -> None:
+        """`dead_letter_path`: the JSONL file for dead letters the database will not take
+        either; None: the log only. `spill_path`: where `close` keeps the records a database
+        that stays away could not take (JSONL; one file per database); None: close raises."""
         if flush_interval <= 0 or max_pending <= 0:
             raise ValueError("flush_interval and max_pending must be > 0")
         self.store = store
         self.flush_interval = flush_interval
         self.max_pending = max_pending
-        self._pending: list[UsageEvent] = []
+        self.dead_letter_path = Path(dead_letter_path) if dead_letter_path is not None else None
+        self.spill_path = Path(spill_path) if spill_path is not None else None
+        self._pending: list[Row] = []
         self._wake = asyncio.Event()
         self._flush_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.flushed = 0  # records written so far, for metrics and tests
+        self.dead_lettered = 0  # records the database refused, set aside
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
     async def start(self) -> None:
+        await self._replay_spill()
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="usage-ledger-flush")
 
     def record(self, event: UsageEvent) -> None:
-        """Buffer one event; never blocks. Raises LedgerFullError rather than drop it."""
+        """Buffer one event; never blocks. Raises LedgerFullError rather than drop it, and
+        TypeError for a field of the wrong type."""
         if self._closed:
             raise RuntimeError("usage ledger is closed")
         if len(self._pending) >= 2 * self.max_pending:
             raise LedgerFullError(f"{len(self._pending)} usage records waiting for the database")
-        self._pending.append(event)
+        self._pending.append(normalise_row(_event_row(event)))
         if len(self._pending) >= self.max_pending:
             self._wake.set()
 
@@ -96,28 +353,86 @@ class UsageLedger:
             self.record(e)
 
     async def flush(self) -> int:
-        """Write everything buffered so far; returns how many records were written."""
+        """Write everything buffered so far; returns how many records were written (refused
+        ones are set aside, not counted). Raises, keeping the rest, if the database is down."""
         async with self._flush_lock:
             written = 0
             while self._pending:
                 batch, self._pending = self._pending, []
-                try:
-                    await self._write(batch)
-                except BaseException:
-                    self._pending[:0] = batch  # keep order; retried on the next flush
-                    raise
-                written += len(batch)
-                self.flushed += len(batch)
+                written += await self._write_or_set_aside(batch)
             return written
 
-    async def _write(self, batch: list[UsageEvent]) -> None:
-        rows = [_event_row(e) for e in batch]
+    async def _write_or_set_aside(self, batch: list[Row]) -> int:
+        """Write `batch`, bisecting it to find and set aside the rows the database refuses.
 
+        On any other failure the rows not yet written go back to the front of the buffer, in
+        order, for the next flush.
+        """
+        parts = [batch]  # still to write, a stack: parts[-1] holds the oldest rows
+        written = 0
+        try:
+            while parts:
+                rows = parts[-1]
+                refusal = await self._try_write(rows)
+                if refusal is not None and len(rows) > 1:
+                    mid = len(rows) // 2
+                    parts[-1:] = [rows[mid:], rows[:mid]]
+                    continue
+                if refusal is not None:
+                    await self._set_aside(rows[0], refusal)
+                else:
+                    written += len(rows)
+                    self.flushed += len(rows)
+                parts.pop()
+        except BaseException:
+            self._pending[:0] = [row for rows in reversed(parts) for row in rows]
+            raise
+        return written
+
+    async def _try_write(self, rows: list[Row]) -> Exception | None:
+        """None once `rows` are written; the error when the database refuses them."""
+        try:
+            await self._write(rows)
+        except Exception as exc:
+            if is_refusal(exc):
+                return exc
+            raise
+        return None
+
+    async def _write(self, rows: list[Row]) -> None:
         async def op(s: AsyncSession) -> None:
             for i in range(0, len(rows), _INSERT_CHUNK):
                 await s.execute(insert(UsageRow), rows[i : i + _INSERT_CHUNK])
 
         await self.store.db.run(op)
+
+    async def _set_aside(self, row: Row, refusal: Exception) -> None:
+        row_json, reason = dead_letter_json(row), error_summary(refusal)
+        log.warning("usage row refused and set aside (%s): %s", reason, row_json[:_LOG_CHARS])
+        letter: Row = {"row_json": row_json, "reason": reason, "created_at": time.time()}
+
+        async def op(s: AsyncSession) -> None:
+            await s.execute(insert(UsageDeadLetterRow), [letter])
+
+        try:
+            await self.store.db.run(op)
+        except Exception as exc:
+            await self._keep_dead_letter_elsewhere(letter, exc)
+        self.dead_lettered += 1
+
+    async def _keep_dead_letter_elsewhere(self, letter: Row, exc: Exception) -> None:
+        """The dead-letter insert failed too: the JSONL file, else the log, keeps the row."""
+        line, why = json.dumps(letter, ensure_ascii=True), error_summary(exc)
+        if self.dead_letter_path is not None:
+            try:
+                await asyncio.to_thread(_append_line, self.dead_letter_path, line)
+            except OSError as file_exc:
+                log.error("usage dead letter kept in the log only (database: %s; file: %s): %s",
+                          why, file_exc, line[:_LOG_CHARS])
+                return
+        where = self.dead_letter_path or "the log only"
+        log.warning("usage dead letter kept in %s (database: %s): %s", where, why,
+                    line[:_LOG_CHARS])
 
     async def _run(self) -> None:
         while not self._closed:
@@ -129,10 +444,13 @@ class UsageLedger:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep the loop alive; the batch stays buffered
-                log.warning("usage flush failed (%d pending): %s", self.pending, exc)
+                log.warning("usage flush failed (%d pending): %s", self.pending,
+                            error_summary(exc))
 
-    async def close(self) -> None:
-        """Stop the background task and write everything; raises if that fails."""
+    async def close(self, timeout: float = 30.0) -> None:
+        """Stop the background task and write everything. While the database is away, keep
+        trying for `timeout` seconds; then spill what is left to `spill_path` (the next `start`
+        writes it); raises only when there is nowhere to keep it."""
         self._closed = True
         if self._task is not None:
             # Let the loop finish on its own: cancelling it mid-commit could leave a batch both
@@ -140,7 +458,46 @@ class UsageLedger:
             self._wake.set()
             await self._task
             self._task = None
-        await self.flush()
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + timeout, 0.1
+        while True:
+            try:
+                await self.flush()
+                return
+            except Exception as exc:
+                if loop.time() + delay > deadline:
+                    if self.spill_path is None:
+                        raise
+                    failure = exc
+                    break
+                log.warning("usage flush at shutdown failed (%d pending), retrying: %s",
+                            self.pending, error_summary(exc))
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
+        self._spill(failure)
+
+    def _spill(self, failure: Exception) -> None:
+        assert self.spill_path is not None
+        with self.spill_path.open("a", encoding="ascii") as f:
+            for row in self._pending:
+                f.write(json.dumps(row) + "\n")
+        log.error("the database is unavailable at shutdown (%s): %d usage records kept in %s, "
+                  "written at the next start", error_summary(failure), len(self._pending),
+                  self.spill_path)
+        self._pending = []
+
+    async def _replay_spill(self) -> None:
+        """Rows an earlier shutdown could not write: written now, then the file is removed (a
+        crash between the two would write them twice; nothing is ever lost)."""
+        path = self.spill_path
+        if path is None or not path.exists():
+            return
+        rows = [normalise_row(json.loads(line)) for line in
+                path.read_text(encoding="ascii").splitlines() if line.strip()]
+        async with self._flush_lock:
+            written = await self._write_or_set_aside(rows)
+        path.unlink()
+        log.info("wrote %d usage records kept from an earlier shutdown (%s)", written, path)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -206,6 +563,19 @@ class UsageLedger:
         async def op(s: AsyncSession) -> float | None:
             found = await _percentiles(s, UsageRow.completion_tokens, where, (percentile,))
             return found[percentile]
+
+        return await self.store.db.run(op, write=False)
+
+    async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
+        """The `limit` most recent rows the database refused, newest first."""
+        if limit <= 0:
+            raise ValueError(f"limit must be > 0, got {limit}")
+
+        async def op(s: AsyncSession) -> list[DeadLetter]:
+            found = await s.scalars(
+                select(UsageDeadLetterRow).order_by(UsageDeadLetterRow.id.desc()).limit(limit))
+            return [DeadLetter(r.id, json.loads(r.row_json), r.reason, r.created_at)
+                    for r in found]
 
         return await self.store.db.run(op, write=False)
 

@@ -6,7 +6,7 @@ Alembic's autogenerate finds no difference.
 
 from __future__ import annotations
 
-from sqlalchemy import Boolean, Float, ForeignKey, Index, Integer, String
+from sqlalchemy import Boolean, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -70,3 +70,16 @@ class UsageRow(Base):
     e2e: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[float] = mapped_column(Float, nullable=False)
     finished_at: Mapped[float] = mapped_column(Float, nullable=False)
+
+
+class UsageDeadLetterRow(Base):
+    """A usage row the database refused, set aside with the reason so it never blocks the rows
+    behind it. `row_json` is the row as ASCII-only JSON (every string escaped), so it always
+    encodes, whatever the refused row held."""
+
+    __tablename__ = "fg_usage_dead_letters"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    row_json: Mapped[str] = mapped_column(Text, nullable=False)
+    reason: Mapped[str] = mapped_column(String(512), nullable=False)
+    created_at: Mapped[float] = mapped_column(Float, nullable=False)

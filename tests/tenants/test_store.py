@@ -30,7 +30,7 @@ async def test_init_is_idempotent_and_schema_matches_models(store: TenantStore) 
             return compare_metadata(MigrationContext.configure(sync_conn), Base.metadata)  # type: ignore[arg-type]
 
         assert await conn.run_sync(diff) == []  # migrations create exactly the models' tables
-    assert version == "0001"
+    assert version == "0002"  # the newest migration
 
 
 async def test_init_from_two_stores_at_once(database_url: str) -> None:
