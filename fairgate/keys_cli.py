@@ -6,7 +6,13 @@ import argparse
 import json
 import sys
 
-from fairgate.tenants_common import add_database_options, run_with_store, table, when
+from fairgate.tenants_common import (
+    add_database_options,
+    check_name_args,
+    run_with_store,
+    table,
+    when,
+)
 from tenants.store import TenantStore
 
 
@@ -30,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         print("fairgate keys: error: choose an action: create, list, revoke", file=sys.stderr)
         return 2
     handlers = {"create": _create, "list": _list, "revoke": _revoke}
+    check_name_args(args, "tenant")
     return run_with_store(args, lambda store: handlers[action](store, args))
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fairgate.tenants_common import add_database_options, run_with_store, table
+from fairgate.tenants_common import add_database_options, check_name_args, run_with_store, table
 from tenants.store import TenantStore, apply_changes
 from tenants.values import TenantError, TenantInfo, TenantLimits
 from tenants.yaml_io import (
@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         return _import(args)
     handlers = {"create": _create, "update": _update, "list": _list, "delete": _delete,
                 "export": _export}
+    check_name_args(args, "name")
     return run_with_store(args, lambda store: handlers[action](store, args))
 
 
@@ -112,9 +113,7 @@ async def _create(store: TenantStore, args: argparse.Namespace) -> int:
     changes = field_changes(args)
     # Validate everything before writing, so a bad value never leaves a half-made tenant.
     info = apply_changes(TenantInfo(name=args.name), changes)
-    kwargs = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)
-              if f.name not in ("id", "name")}
-    created = await store.create_tenant(args.name, **kwargs)
+    created = await store.create_tenant(info.name, **info.settings())
     print(f"created tenant {created.name}")
     if args.key:
         key, plaintext = await store.create_key(created.name)

@@ -16,7 +16,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from fairgate.config import database_url, load_config_file
 from tenants.db import DEFAULT_DATABASE_URL
 from tenants.store import TenantStore
-from tenants.values import TenantError
+from tenants.values import TenantError, check_tenant_name
 
 T = TypeVar("T")
 DEFAULT_CONFIG = "fairgate.yaml"
@@ -72,6 +72,14 @@ def run_with_store(args: argparse.Namespace, fn: Callable[[TenantStore], Awaitab
             raise
         detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
         raise TenantError(f"database {_redacted(url)}: {detail[0] if detail else type(exc).__name__}") from None
+
+
+def check_name_args(args: argparse.Namespace, *dests: str) -> None:
+    """The tenant names given on the command line (absent or None ones skipped), checked before
+    the database is opened, so a bad name changes nothing and opens nothing."""
+    for dest in dests:
+        if getattr(args, dest, None) is not None:
+            check_tenant_name(getattr(args, dest))
 
 
 def when(ts: float | None) -> str:

@@ -32,6 +32,7 @@ from tenants.values import (
     TenantInfo,
     TenantLimits,
     TenantNotFoundError,
+    check_tenant_name,
 )
 
 _CACHE_MAX_ENTRIES = 10_000
@@ -88,7 +89,7 @@ def apply_changes(current: TenantInfo, changes: dict[str, Any]) -> TenantInfo:
     other = {k: v for k, v in changes.items() if k not in limit_names}
     limits = other.pop("limits", current.limits)
     if isinstance(limits, dict):
-        limits = TenantLimits(**limits)
+        limits = TenantLimits.from_mapping(limits)
     if limit_changes:
         limits = dataclasses.replace(limits, **limit_changes)
     return dataclasses.replace(current, limits=limits, **other)
@@ -141,7 +142,7 @@ class TenantStore:
             name=name,
             weight=weight,
             default_priority=default_priority,
-            allowed_priorities=tuple(allowed_priorities),
+            allowed_priorities=allowed_priorities,  # type: ignore[arg-type]  # TenantInfo refuses a bare string
             limits=limits or TenantLimits(),
             slo_ttft_p99_s=slo_ttft_p99_s,
             slo_itl_p99_s=slo_itl_p99_s,
@@ -310,11 +311,26 @@ class TenantStore:
         """Drop the whole authentication cache (after a bulk import, say)."""
         self._cache.clear()
 
+    def known_key(self, key_hash: str) -> bool:
+        """True when `key_hash` authenticated lately (its cache entry may have expired): the
+        gateway does not count a re-check of such a key as a guess."""
+        return key_hash in self._cache
+
+    async def ping(self) -> None:
+        """One round trip to the database; raises when it cannot be reached."""
+
+        async def op(s: AsyncSession) -> None:
+            await s.execute(select(1))
+
+        await self.db.run(op, write=False)
+
 
 # -- session-level helpers, shared with the YAML importer ------------------------------------
 
 
 async def find_tenant_row(s: AsyncSession, name: str) -> TenantRow | None:
+    """The tenant's row, None when there is none; an invalid name is an error, not a miss."""
+    check_tenant_name(name)
     return await s.scalar(select(TenantRow).where(TenantRow.name == name))
 
 

@@ -9,22 +9,53 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from protocol.priority import PRIORITIES
-from protocol.validators import check_bool, check_number, check_positive_int
+from protocol.validators import check_bool, check_known_keys, check_number, check_positive_int
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# Whole names only (fullmatch): `$` would also match before a trailing newline. ASCII only, so a
+# name cannot be a look-alike of another ("dеmo" with a Cyrillic е) or carry control characters.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NAME_RULE = "1-64 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"
+# The limits' INTEGER columns: PostgreSQL's is 32-bit signed (SQLite's holds more; one bound for
+# both keeps a tenants file portable between them).
+INT_COLUMN_MAX = 2**31 - 1
+# Weights divide request costs and are summed over tenants; outside this range the fair-share
+# counters overflow to infinity or lose all precision.
+WEIGHT_RANGE = (1e-6, 1e6)
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """`value` for a message: quoted, with control and non-ASCII characters escaped (so a name
+    that only looks like another shows how it differs), and cut to about `limit` characters."""
+    text = ascii(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class TenantError(ValueError):
-    """A user-facing mistake: bad value, duplicate or unknown name, bad file."""
+    """A user-facing mistake: bad value, duplicate or unknown name, bad file.
+
+    `field` names the value at fault as a tenant's JSON spells it ("weight", "limits.max_tokens",
+    "allowed_priorities"), or is None when no one field is; the admin API answers it as `param`.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class InvalidTenantNameError(TenantError):
+    def __init__(self, message: str, field: str | None = "name") -> None:
+        super().__init__(message, field)
 
 
 class DuplicateTenantError(TenantError):
-    pass
+    def __init__(self, message: str, field: str | None = "name") -> None:
+        super().__init__(message, field)
 
 
 class TenantNotFoundError(TenantError):
@@ -35,13 +66,50 @@ class KeyNotFoundError(TenantError):
     pass
 
 
+def check_tenant_name(name: object) -> str:
+    """`name` when it is a valid tenant name; every surface that takes a name calls this."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise InvalidTenantNameError(f"invalid tenant name {shown(name)}: a name is {NAME_RULE}")
+    return name
+
+
 @contextmanager
-def _tenant_errors(hint: str = "") -> Iterator[None]:
-    """protocol.validators' ValueErrors as TenantErrors, the one error type tenants raise."""
+def _tenant_errors(field: str | None, hint: str = "") -> Iterator[None]:
+    """protocol.validators' ValueErrors as TenantErrors about `field`, the one error type
+    tenants raise; a TenantError raised inside keeps its own field."""
     try:
         yield
+    except TenantError:
+        raise
     except ValueError as error:
-        raise TenantError(f"{error}{hint}") from None
+        raise TenantError(f"{error}{hint}", field) from None
+
+
+def checked_mapping(section: str, values: object, known: Sequence[str],
+                    prefix: str = "") -> dict[str, Any]:
+    """`values` as a dict when it is a mapping whose keys are all in `known`; else a TenantError
+    about `prefix` + the first unknown key, with a did-you-mean."""
+    if not isinstance(values, Mapping):
+        raise TenantError(f"{section} must be a mapping of name: value, got {shown(values)}",
+                          prefix.rstrip(".") or None)
+    # Escaped, so a key with control characters cannot break the message's line.
+    keys = [k if isinstance(k, str) and k.isascii() and k.isprintable() else ascii(k)
+            for k in values]
+    unknown = sorted(set(keys) - set(known))
+    with _tenant_errors(prefix + unknown[0] if unknown else None):
+        check_known_keys(section, keys, known)
+    return dict(values)
+
+
+def _check_limit(name: str, value: object) -> None:
+    if name.endswith("_s"):
+        check_number(name, value, low=0, open_low=True)
+        return
+    check_positive_int(name, value)
+    assert isinstance(value, int)
+    if value > INT_COLUMN_MAX:
+        raise ValueError(f"{name} must be at most {INT_COLUMN_MAX} (the largest value the "
+                         f"database's INTEGER column holds), got {value}")
 
 
 @dataclass(frozen=True)
@@ -61,15 +129,17 @@ class TenantLimits:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            with _tenant_errors(hint="; leave it unset for no limit"):
-                if f.name.endswith("_s"):
-                    check_number(f.name, value, low=0, open_low=True)
-                else:
-                    check_positive_int(f.name, value)
+            with _tenant_errors(f"limits.{f.name}", hint="; leave it unset for no limit"):
+                _check_limit(f.name, value)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_mapping(cls, values: object) -> TenantLimits:
+        """From a JSON/YAML `limits` mapping; None (or absent limits) means no limits."""
+        return cls(**limits_mapping(values))
 
 
 @dataclass(frozen=True)
@@ -85,36 +155,77 @@ class TenantInfo:
     id: int | None = None  # None until stored
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
-            raise TenantError(
-                f"tenant name {self.name!r} must be 1-64 characters of letters, digits, '.', '_'"
-                " or '-', starting with a letter or digit"
-            )
-        with _tenant_errors():
+        check_tenant_name(self.name)
+        with _tenant_errors("weight"):
             check_number("weight", self.weight, low=0, open_low=True)
-            # An SLO target of None means "no target", the same shape as an unlimited limit.
-            for name in ("slo_ttft_p99_s", "slo_itl_p99_s"):
-                if getattr(self, name) is not None:
+            check_number("weight", self.weight, low=WEIGHT_RANGE[0], high=WEIGHT_RANGE[1])
+        # An SLO target of None means "no target", the same shape as an unlimited limit.
+        for name in ("slo_ttft_p99_s", "slo_itl_p99_s"):
+            if getattr(self, name) is not None:
+                with _tenant_errors(name):
                     check_number(name, getattr(self, name), low=0, open_low=True)
+        with _tenant_errors("enabled"):
             check_bool("enabled", self.enabled)
         if not isinstance(self.limits, TenantLimits):
-            raise TenantError("limits must be a TenantLimits")
+            raise TenantError("limits must be a TenantLimits", "limits")
         self._check_priorities()
 
     def _check_priorities(self) -> None:
         allowed = self.allowed_priorities
-        if isinstance(allowed, str) or not allowed:
-            raise TenantError(f"allowed_priorities must be a non-empty list of {PRIORITIES}")
+        if (not isinstance(allowed, list | tuple) or not allowed
+                or not all(isinstance(p, str) for p in allowed)):
+            raise TenantError(f"allowed_priorities must be a non-empty list of priorities "
+                              f"({', '.join(PRIORITIES)}), got {shown(allowed)}",
+                              "allowed_priorities")
         # Normalise lists from YAML/CLI into a tuple so the value stays hashable.
         object.__setattr__(self, "allowed_priorities", tuple(dict.fromkeys(allowed)))
-        for p in (*self.allowed_priorities, self.default_priority):
+        for p in self.allowed_priorities:
             if p not in PRIORITIES:
-                raise TenantError(f"unknown priority {p!r}; choose from {', '.join(PRIORITIES)}")
+                raise TenantError(f"unknown priority {shown(p)} in allowed_priorities; choose "
+                                  f"from {', '.join(PRIORITIES)}", "allowed_priorities")
+        if self.default_priority not in PRIORITIES:
+            raise TenantError(f"unknown priority {shown(self.default_priority)} for "
+                              f"default_priority; choose from {', '.join(PRIORITIES)}",
+                              "default_priority")
         if self.default_priority not in self.allowed_priorities:
             raise TenantError(
                 f"default_priority {self.default_priority!r} is not in allowed_priorities "
-                f"{list(self.allowed_priorities)}"
+                f"{list(self.allowed_priorities)}", "default_priority"
             )
+
+    def settings(self) -> dict[str, Any]:
+        """Every field but `id` and `name`: what `TenantStore.create_tenant` takes."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("id", "name")}
+
+
+# What a tenant's JSON/YAML mapping may set (`id` is the database's).
+TENANT_KEYS = tuple(f.name for f in fields(TenantInfo) if f.name != "id")
+
+
+def tenant_mapping(values: object, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """A tenant's JSON/YAML mapping as a dict, its keys (TENANT_KEYS and `extra`) and its name
+    checked; the other values are checked when they become a TenantInfo."""
+    settings = checked_mapping("tenant", values, (*TENANT_KEYS, *extra))
+    if "name" not in settings:
+        raise TenantError("missing 'name'", "name")
+    check_tenant_name(settings["name"])
+    return settings
+
+
+def limits_mapping(values: object) -> dict[str, Any]:
+    """A JSON/YAML `limits` mapping (None: no entries) as a dict, its keys checked; the values
+    are checked when they become a TenantLimits."""
+    if values is None:
+        return {}
+    return checked_mapping("limits", values, TenantLimits.names(), prefix="limits.")
+
+
+def tenant_from_mapping(values: object) -> TenantInfo:
+    """A new tenant from a JSON/YAML mapping (absent fields take defaults, `limits: null` is no
+    limits); every mistake is a TenantError whose `field` names the value at fault."""
+    settings = tenant_mapping(values)
+    settings["limits"] = TenantLimits.from_mapping(settings.get("limits"))
+    return TenantInfo(**settings)
 
 
 @dataclass(frozen=True)

@@ -63,11 +63,9 @@ from tenants.store import (
     row_to_info,
     update_tenant_row,
 )
-from tenants.values import KeyInfo, TenantError, TenantInfo, TenantLimits
+from tenants.values import KeyInfo, TenantError, TenantInfo, limits_mapping, tenant_mapping
 
 _PG_IMPORT_LOCK = 0x46470002
-_TENANT_KEYS = ("name", "weight", "default_priority", "allowed_priorities", "limits",
-                "slo_ttft_p99_s", "slo_itl_p99_s", "enabled", "keys")
 
 
 @dataclass
@@ -179,29 +177,14 @@ def parse_yaml(text: str, source: str = "<yaml>") -> list[TenantSpec]:
 def _parse_tenant(entry: Any, line: int) -> TenantSpec:
     if not isinstance(entry, dict):
         raise TenantError("each tenant must be a mapping with at least 'name'")
-    unknown = set(entry) - set(_TENANT_KEYS)
-    if unknown:
-        raise TenantError(f"unknown field(s) {', '.join(map(str, sorted(unknown, key=str)))}")
-    if "name" not in entry:
-        raise TenantError("missing 'name'")
-    fields_ = {k: v for k, v in entry.items() if k not in ("name", "keys")}
-    if "limits" in fields_:
-        fields_["limits"] = _parse_limits(fields_["limits"])
+    settings = tenant_mapping(entry, extra=("keys",))
+    name = settings.pop("name")
+    creates, hashes = _parse_keys(settings.pop("keys", None) or [])
+    if "limits" in settings:
+        settings["limits"] = limits_mapping(settings["limits"])
     # Validate against defaults now, so errors carry the line number and nothing is written.
-    apply_changes(TenantInfo(name=entry["name"]), fields_)
-    creates, hashes = _parse_keys(entry.get("keys") or [])
-    return TenantSpec(str(entry["name"]), fields_, creates, hashes, line)
-
-
-def _parse_limits(limits: Any) -> dict[str, Any]:
-    if limits is None:
-        return {}
-    if not isinstance(limits, dict):
-        raise TenantError("'limits' must be a mapping")
-    unknown = set(limits) - set(TenantLimits.names())
-    if unknown:
-        raise TenantError(f"unknown limit(s) {', '.join(map(str, sorted(unknown, key=str)))}")
-    return dict(limits)
+    apply_changes(TenantInfo(name=name), settings)
+    return TenantSpec(name, settings, creates, hashes, line)
 
 
 def _parse_keys(keys: Any) -> tuple[int, tuple[str, ...]]:

@@ -90,7 +90,7 @@ async def test_export_round_trip_keeps_keys_working(store: TenantStore, tmp_path
         ("tenants:\n  - name: a\n  - name: b\n    weight: 0\n", "line 3: tenant #2: weight"),
         ("tenants:\n  - name: a\n  - name: b\n    limits: {max_tokens: -1}\n", "line 3.*max_tokens"),
         ("tenants:\n  - name: a\n  - name: a\n", "line 3: tenant 'a' is listed twice"),
-        ("tenants:\n  - name: a\n    wieght: 2\n", "line 2: .*unknown field.*wieght"),
+        ("tenants:\n  - name: a\n    wieght: 2\n", "line 2: .*unknown tenant setting.*wieght; did you mean weight"),
         ("tenants:\n  - name: a\n    weight: 1\n    weight: 2\n", "line 4.*duplicate key 'weight'"),
         ("tenants:\n  - name: a\n    keys: [{hash: md5:abc}]\n", "bad key entry"),
         ("tenants:\n  - weight: 2\n", "missing 'name'"),
