@@ -12,24 +12,29 @@ unsupported fields answered 400, one response shape.
     max_tokens = resolve_max_tokens(req, len(ids), max_model_len)
     SamplingParams(max_tokens=max_tokens, **req.sampling) # engine-side ranges (engine.openai_api)
 
-Unknown fields are ignored (clients send many optional ones); known fields must have the
-right type. Value ranges are the engine's `SamplingParams` rules, applied by every surface
-through `engine.openai_api.sampling_params`.
+Every field the API knows is one `Field` in `REQUEST_FIELDS`: its type, range, default and
+description. `parse_request` reads its checks from that table and `protocol.openapi` writes
+the OpenAPI schemas from it, so the document and the parser cannot disagree. Unknown fields
+are ignored (clients send many optional ones); known fields must have the right type and
+range. The ranges of the sampling numbers are the engine's `SamplingParams` rules (which
+`engine.openai_api.sampling_params` still applies, with the rules between fields such as
+min_tokens <= max_tokens).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from protocol.errors import ApiError, bad_request
 from protocol.priority import PRIORITIES
 from protocol.sse import sse_json
+from protocol.validators import check_bool, check_int, check_number
 
 ENDPOINTS = ("completions", "chat")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -106,96 +111,244 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-# ---- typed fields --------------------------------------------------------------------------
-def _integer(body: dict[str, Any], name: str, low: int = INT64[0],
-             high: int | None = INT64[1]) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"'{name}' must be an integer, got {type(value).__name__}", name)
-    if value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise bad_request(f"'{name}' must be an integer {bounds}, got {value}", name)
-    return value
+# ---- the fields ----------------------------------------------------------------------------
+INT32_MAX = 2**31 - 1
+MAX_TOKEN_ID = INT32_MAX  # every vocabulary is far smaller; the engine checks its own size
+# max_tokens, min_tokens, top_k: beyond any model's context or vocabulary, and so never an
+# overflow in an int32 tensor or a database column downstream
+MAX_COUNT = INT32_MAX
+EMPTY: tuple[Any, ...] = (None, False, 0, "", [], {})  # leaves an unsupported feature unset
+# A tenant's weight, as tenants.values.WEIGHT_RANGE bounds it: beyond it the fair-share
+# counters overflow to infinity or lose all precision.
+TENANT_WEIGHT_RANGE = (1e-6, 1e6)
 
 
-def _number(body: dict[str, Any], name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad_request(f"'{name}' must be a number, got {type(value).__name__}", name)
-    try:
-        number = float(value)
-    except OverflowError:  # an integer too large for a float
-        number = math.inf
-    if not math.isfinite(number):
-        raise bad_request(f"'{name}' must be a finite number", name)
-    return number
+@dataclass(frozen=True)
+class Field:
+    """One request field, as `parse_request` reads it and `protocol.openapi` documents it.
+
+    `kind` is a JSON type (integer, number, boolean, string), `any`, or a shape with its own
+    reader here and its own schema in protocol.openapi (prompt, messages, max_tokens, stop,
+    token_ids, stream_options). Omitted and null mean the same: `default`."""
+
+    name: str
+    kind: str
+    description: str
+    endpoints: tuple[str, ...] = ENDPOINTS
+    default: Any = None
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False  # the minimum itself is refused (top_p > 0)
+    max_length: int | None = None
+    allowed: tuple[Any, ...] | None = None  # the only values accepted, besides null
+    refusal: str | None = None  # the message for any other value: a feature not supported
+    required: bool = False
 
 
-def _boolean(body: dict[str, Any], name: str) -> bool | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be true or false, got {type(value).__name__}", name)
-    return value
+def _unsupported(name: str) -> Field:
+    return Field(name, "any", "Not supported: omit it or send an empty value.", allowed=EMPTY,
+                 refusal=f"'{name}' is not supported")
 
 
-def _string(body: dict[str, Any], name: str, max_length: int | None = None) -> str | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise bad_request(f"'{name}' must be a string, got {type(value).__name__}", name)
-    if max_length is not None and len(value) > max_length:
-        raise bad_request(f"'{name}' must be at most {max_length} characters", name)
-    return value
+_SAMPLING_NUMBER = "; the engine's SamplingParams range"
+# In the order parse_request checks them: the first bad field is the one a 400 names.
+REQUEST_FIELDS = (
+    Field("model", "string", "A model id from GET /v1/models; omitted, empty or \"default\": "
+          "the server's first model.", max_length=MAX_MODEL_NAME),
+    Field("prompt", "prompt", "The prompt: text or token ids, or a batch of one of either.",
+          endpoints=("completions",), required=True),
+    Field("messages", "messages", "The conversation, rendered through the model's chat "
+          "template.", endpoints=("chat",), required=True),
+    Field("n", "integer", "Choices to generate: only 1 is supported.", minimum=1, allowed=(1,),
+          refusal="only n=1 is supported"),
+    Field("best_of", "integer", "Only 1 is supported.", minimum=1, allowed=(1,),
+          refusal="only best_of=1 is supported"),
+    Field("echo", "boolean", "Not supported: only false.", allowed=(False,),
+          refusal="echo is not supported"),
+    Field("logprobs", "any", "Not supported: omit it, or send null, false or 0.",
+          allowed=(None, False, 0), refusal="logprobs are not supported"),
+    Field("top_logprobs", "any", "Not supported: omit it, or send null or 0.", allowed=(None, 0),
+          refusal="logprobs are not supported"),
+    *(_unsupported(name) for name in ("tools", "functions", "logit_bias", "suffix",
+                                      "guided_json", "guided_regex", "guided_choice",
+                                      "guided_grammar", "structured_outputs")),
+    Field("tool_choice", "any", "Only \"none\" (tools are not supported).",
+          allowed=(None, "none"), refusal="'tool_choice' is not supported (tools are not "
+          "supported)"),
+    Field("response_format", "any", "Only {\"type\": \"text\"}.",
+          allowed=(None, {"type": "text"}),
+          refusal="only response_format {\"type\": \"text\"} is supported"),
+    Field("max_tokens", "max_tokens", "Tokens to generate at most; default: 16 on completions, "
+          "the rest of the context on chat. More than the context leaves: 400 "
+          "context_length_exceeded.", minimum=1, maximum=MAX_COUNT),
+    Field("max_completion_tokens", "max_tokens", "max_tokens under its newer chat name; set, it "
+          "wins over max_tokens.", endpoints=("chat",), minimum=1, maximum=MAX_COUNT),
+    Field("stream", "boolean", "Answer as server-sent events, ended by `data: [DONE]`.",
+          default=False),
+    Field("stream_options", "stream_options", "With stream: include_usage adds a last chunk "
+          "carrying the token counts."),
+    Field("priority", "string", "The priority class; omitted: the tenant's default_priority "
+          "(403 when the tenant may not use it).", allowed=PRIORITIES),
+    Field("temperature", "number", "Sampling temperature; 0 is greedy" + _SAMPLING_NUMBER,
+          default=1.0, minimum=0.0, maximum=100.0),
+    Field("top_p", "number", "Nucleus sampling: the smallest set of tokens with this much "
+          "probability" + _SAMPLING_NUMBER, default=1.0, minimum=0.0, maximum=1.0,
+          exclusive_minimum=True),
+    Field("top_k", "integer", "Sample among the k likeliest tokens; -1 or 0: off (more than the "
+          "vocabulary is off too).", default=-1, minimum=-1, maximum=MAX_COUNT),
+    Field("min_p", "number", "Drop tokens less likely than min_p times the likeliest"
+          + _SAMPLING_NUMBER, default=0.0, minimum=0.0, maximum=1.0),
+    Field("presence_penalty", "number", "Penalty on tokens already present" + _SAMPLING_NUMBER,
+          default=0.0, minimum=-2.0, maximum=2.0),
+    Field("frequency_penalty", "number", "Penalty per occurrence of a token" + _SAMPLING_NUMBER,
+          default=0.0, minimum=-2.0, maximum=2.0),
+    Field("repetition_penalty", "number", "vLLM's multiplicative repetition penalty; 1 is off"
+          + _SAMPLING_NUMBER, default=1.0, minimum=0.0, maximum=10.0, exclusive_minimum=True),
+    Field("seed", "integer", "Sampling seed (an int64): the same seed and request give the same "
+          "tokens.", minimum=INT64[0], maximum=INT64[1]),
+    Field("min_tokens", "integer", "Tokens generated before EOS or a stop may end the answer; "
+          "at most max_tokens.", default=0, minimum=0, maximum=MAX_COUNT),
+    Field("ignore_eos", "boolean", "Keep generating past the end-of-sequence token.",
+          default=False),
+    Field("stop", "stop", f"A string or up to {MAX_STOP_SEQUENCES} strings that end the answer "
+          "(left out of it).", default=()),
+    Field("stop_token_ids", "token_ids", "Token ids that end the answer.", default=()),
+    Field("tenant", "string", "fairgate engine extension: the tenant the engine's fair policy "
+          "accounts the request to; the gateway sends the caller's own.", default=""),
+    Field("tenant_weight", "number", "fairgate engine extension: that tenant's fair-share "
+          "weight; the gateway sends the caller's own.", minimum=TENANT_WEIGHT_RANGE[0],
+          maximum=TENANT_WEIGHT_RANGE[1]),
+)
+FIELDS = {f.name: f for f in REQUEST_FIELDS}
+INCLUDE_USAGE = Field("include_usage", "boolean", "Add a last chunk with the token counts.",
+                      default=False)
+# the SamplingParams keywords the table fills, named as the engine names them
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "seed", "min_tokens", "ignore_eos",
+                   "stop", "stop_token_ids")
+
+
+_ENDPOINT_FIELDS = {e: tuple(f for f in REQUEST_FIELDS if e in f.endpoints) for e in ENDPOINTS}
+
+
+def request_fields(endpoint: str) -> tuple[Field, ...]:
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {endpoint!r}")
+    return _ENDPOINT_FIELDS[endpoint]
 
 
 # ---- requests ------------------------------------------------------------------------------
 def parse_request(body: dict[str, Any], endpoint: str) -> OpenAIRequest:
     """A validated request; ApiError(400) naming the first bad field."""
-    if endpoint not in ENDPOINTS:
-        raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {endpoint!r}")
-    model = _string(body, "model", MAX_MODEL_NAME) or None
-    req = OpenAIRequest(endpoint, model, body)
-    if req.chat:
-        req.messages = _messages(body)
-    else:
-        req.prompt = _completion_prompt(body)
-    _check_unsupported(body, endpoint)
-    req.max_tokens = _max_tokens(body, req.chat)
-    req.stream = bool(_boolean(body, "stream"))
-    req.include_usage = _include_usage(body) and req.stream
-    req.priority = _priority(body)
-    req.sampling = _sampling(body)
-    req.tenant = _string(body, "tenant") or ""
-    req.tenant_weight = _tenant_weight(body)
-    return req
+    values: dict[str, Any] = {}
+    for spec in request_fields(endpoint):
+        value = body.get(spec.name)
+        # most fields are omitted: their default, without a reader
+        values[spec.name] = (spec.default if value is None and not spec.required
+                             else read_field(spec, value))
+    max_tokens = values.get("max_completion_tokens")
+    stream = values["stream"]
+    sampling = {name: values[name] for name in SAMPLING_FIELDS}
+    if sampling["top_k"] == -1:
+        sampling["top_k"] = 0  # -1 is vLLM's spelling of "off"; the engine's is 0
+    return OpenAIRequest(endpoint, values["model"] or None, body, prompt=values.get("prompt"),
+                         messages=values.get("messages"),
+                         max_tokens=values["max_tokens"] if max_tokens is None else max_tokens,
+                         stream=stream, include_usage=bool(values["stream_options"]) and stream,
+                         priority=values["priority"], sampling=sampling,
+                         tenant=values["tenant"], tenant_weight=values["tenant_weight"])
 
 
-def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
-    prompt = body.get("prompt")
+def read_field(spec: Field, value: Any) -> Any:
+    """The field's value as sent (its default when omitted or null); ApiError(400) naming it."""
+    value = _SHAPES.get(spec.kind, _scalar)(spec, value)
+    return spec.default if value is None else value
+
+
+def _scalar(spec: Field, value: Any) -> Any:
+    if value is None:
+        return None
+    try:
+        value = _TYPE_CHECKS[spec.kind](spec, value)
+    except ValueError as exc:
+        raise bad_request(str(exc), spec.name) from None
+    if spec.allowed is not None and not any(_json_equal(value, a) for a in spec.allowed):
+        raise bad_request(spec.refusal or f"'{spec.name}' must be one of "
+                          f"{', '.join(map(str, spec.allowed))}, got {value!r}", spec.name)
+    return value
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """JSON's equality (JSON Schema's `enum`): true is not 1, 1.0 is 1."""
+    return isinstance(a, bool) == isinstance(b, bool) and a == b
+
+
+def _integral(value: Any) -> Any:
+    """1.0 as 1: JSON has one number type, and JSON Schema's integers include 1.0."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _check_integer(spec: Field, value: Any) -> int:
+    low, high = (None if b is None else int(b) for b in (spec.minimum, spec.maximum))
+    return check_int(f"'{spec.name}'", _integral(value), low, high)
+
+
+def _check_number(spec: Field, value: Any) -> float:
+    return float(check_number(f"'{spec.name}'", value, spec.minimum, spec.maximum,
+                              open_low=spec.exclusive_minimum))
+
+
+def _check_string(spec: Field, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"'{spec.name}' must be a string, got {type(value).__name__}")
+    if spec.max_length is not None and len(value) > spec.max_length:
+        raise ValueError(f"'{spec.name}' must be at most {spec.max_length} characters")
+    return value
+
+
+_TYPE_CHECKS: dict[str, Callable[[Field, Any], Any]] = {
+    "integer": _check_integer, "number": _check_number, "string": _check_string,
+    "boolean": lambda spec, value: check_bool(f"'{spec.name}'", value),
+    "any": lambda spec, value: value,
+    "max_tokens": _check_integer,  # an integer whose reader says too large as a context error
+}
+
+
+def _prompt(spec: Field, prompt: Any) -> str | list[int]:
+    where = "prompt"
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one is what many clients send
+        prompt, where = prompt[0], "prompt[0]"  # a batch of one is what many clients send
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
         return prompt
-    if (isinstance(prompt, list) and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
-        return list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1 and all(
             isinstance(p, str | list) for p in prompt):
         raise bad_request("batched prompts are not supported: send one prompt per request",
                           "prompt")
-    raise bad_request("'prompt' is required: a non-empty string or a non-empty list of token "
-                      "ids (integers >= 0)", "prompt")
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("'prompt' is required: a non-empty string or a non-empty list of "
+                          f"token ids (integers in [0, {MAX_TOKEN_ID}])", "prompt")
+    return _token_id_list(prompt, "prompt", where)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
+def _token_id_list(values: list[Any], param: str, where: str) -> list[int]:
+    ids = [_integral(t) for t in values]
+    for i, (token_id, sent) in enumerate(zip(ids, values, strict=True)):
+        if (isinstance(token_id, bool) or not isinstance(token_id, int)
+                or not 0 <= token_id <= MAX_TOKEN_ID):
+            raise bad_request(f"'{param}' token ids must be integers in [0, {MAX_TOKEN_ID}]; "
+                              f"{where}[{i}] is {_shown(sent)}", param)
+    return ids
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """A value as the client wrote it (JSON), cut short."""
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _messages(spec: Field, messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' is required and must be a non-empty list", "messages")
     return [_message(m, i) for i, m in enumerate(messages)]
@@ -222,66 +375,26 @@ def _message(message: Any, index: int) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
-_UNSUPPORTED_IF_SET = ("tools", "functions", "logit_bias", "suffix", "guided_json",
-                       "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+def _max_tokens(spec: Field, value: Any) -> int | None:
+    number = _integral(value)
+    if (isinstance(number, int) and not isinstance(number, bool)
+            and spec.maximum is not None and number > spec.maximum):
+        raise context_length_exceeded(f"'{spec.name}' is {number}, more tokens than any "
+                                      f"model's context ({int(spec.maximum)})", spec.name)
+    return _scalar(spec, value)
 
 
-def _check_unsupported(body: dict[str, Any], endpoint: str) -> None:
-    """Fields that would change the output: refused, never silently ignored."""
-    if _integer(body, "n", 1) not in (None, 1):
-        raise bad_request("only n=1 is supported", "n")
-    if _integer(body, "best_of", 1) not in (None, 1):
-        raise bad_request("only best_of=1 is supported", "best_of")
-    if _boolean(body, "echo"):
-        raise bad_request("echo is not supported", "echo")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise bad_request("logprobs are not supported", "logprobs")
-    for name in _UNSUPPORTED_IF_SET:
-        if body.get(name):
-            raise bad_request(f"'{name}' is not supported", name)
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad_request("'tool_choice' is not supported (tools are not supported)",
-                          "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad_request("only response_format {\"type\": \"text\"} is supported",
-                          "response_format")
-
-
-def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
-    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    return _integer(body, name, 1, None)  # too large: the context-length error says why
-
-
-def _include_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
+def _stream_options(spec: Field, options: Any) -> bool | None:
     if options is None:
-        return False
+        return None
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
-    return bool(_boolean(options, "include_usage"))
+    return read_field(INCLUDE_USAGE, options.get(INCLUDE_USAGE.name))
 
 
-def _priority(body: dict[str, Any]) -> str | None:
-    value = body.get("priority")
-    if value is not None and value not in PRIORITIES:
-        raise bad_request(f"'priority' must be one of {', '.join(PRIORITIES)}, got {value!r}",
-                          "priority")
-    return value
-
-
-def _tenant_weight(body: dict[str, Any]) -> float | None:
-    weight = _number(body, "tenant_weight")
-    if weight is not None and weight <= 0:
-        raise bad_request("'tenant_weight' must be a finite number > 0", "tenant_weight")
-    return weight
-
-
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
+def _stop(spec: Field, stop: Any) -> tuple[str, ...] | None:
     if stop is None:
-        return ()
+        return None
     stops = [stop] if isinstance(stop, str) else stop
     if (not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES
             or not all(isinstance(s, str) and s for s in stops)):
@@ -290,36 +403,19 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
-    ids = body.get("stop_token_ids")
+def _token_ids(spec: Field, ids: Any) -> tuple[int, ...] | None:
     if ids is None:
-        return ()
-    if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64[1] for t in ids):
-        raise bad_request("'stop_token_ids' must be a list of token ids (integers >= 0)",
-                          "stop_token_ids")
-    return tuple(ids)
+        return None
+    if not isinstance(ids, list):
+        raise bad_request(f"'{spec.name}' must be a list of token ids (integers in "
+                          f"[0, {MAX_TOKEN_ID}])", spec.name)
+    return tuple(_token_id_list(ids, spec.name, spec.name))
 
 
-# SamplingParams keyword -> (reader, the value when the field is omitted)
-_NUMBERS = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0,
-            "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-
-
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    """Every SamplingParams field, the omitted ones at OpenAI's / vLLM's defaults."""
-    values: dict[str, Any] = {}
-    for name, default in _NUMBERS.items():
-        number = _number(body, name)
-        values[name] = default if number is None else number
-    top_k = _integer(body, "top_k", -1)
-    values["top_k"] = 0 if top_k in (None, -1) else top_k  # -1: vLLM's spelling of "off"
-    values["seed"] = _integer(body, "seed")
-    values["min_tokens"] = _integer(body, "min_tokens", 0) or 0
-    values["ignore_eos"] = bool(_boolean(body, "ignore_eos"))
-    values["stop"] = _stop(body)
-    values["stop_token_ids"] = _stop_token_ids(body)
-    return values
+_SHAPES: dict[str, Callable[[Field, Any], Any]] = {
+    "prompt": _prompt, "messages": _messages, "max_tokens": _max_tokens, "stop": _stop,
+    "token_ids": _token_ids, "stream_options": _stream_options,
+}
 
 
 # ---- the prompt ----------------------------------------------------------------------------

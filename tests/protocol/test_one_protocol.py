@@ -82,6 +82,18 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int]] = [
      b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', 400),
     ("surrogate pair is fine", COMPLETIONS, b'{"prompt": "a\\ud83d\\ude00b"}', 200),
     ("unknown model", COMPLETIONS, {"model": "gpt-9", "prompt": "hi"}, 404),
+    ("token-id prompt with a negative id", COMPLETIONS, {"prompt": [1, -3]}, 400),
+    ("token-id prompt of booleans", COMPLETIONS, {"prompt": [True, False]}, 400),
+    ("token-id prompt of integral floats", COMPLETIONS, {"prompt": [1.0, 2.0],
+                                                         "max_tokens": 2}, 200),
+    ("integral floats are integers", COMPLETIONS, {"prompt": "hi", "max_tokens": 3.0,
+                                                   "top_k": 5.0}, 200),
+    ("top_k past its bound", COMPLETIONS, {"prompt": "hi", "top_k": 10**18}, 400),
+    ("min_tokens past its bound", COMPLETIONS, {"prompt": "hi", "min_tokens": 2**31}, 400),
+    ("max_tokens past any context", COMPLETIONS, {"prompt": "hi", "max_tokens": 2**31}, 400),
+    ("seed past int64", COMPLETIONS, {"prompt": "hi", "seed": 2**63}, 400),
+    ("a bad max_tokens beside max_completion_tokens", CHAT,
+     {"messages": USER, "max_completion_tokens": 3, "max_tokens": "x"}, 400),
 ]
 
 

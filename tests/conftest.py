@@ -1,0 +1,18 @@
+"""Every test greps its own log records: no API key or admin key may appear in any of them
+(issue 13: credentials are redacted from every log line). pytest captures records at INFO and
+above (`log_level` in pyproject.toml), the levels a deployment logs at."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.credentials import leaked_credentials
+
+
+@pytest.fixture(autouse=True)
+def no_credential_in_logs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    yield
+    leaked = leaked_credentials(caplog.records)
+    assert not leaked, f"a credential reached the log: {leaked}"
