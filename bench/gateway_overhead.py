@@ -69,15 +69,17 @@ def start_engine(port: int, knobs: dict[str, Any]) -> subprocess.Popen[Any]:
 
 
 def start_gateway(config: dict[str, Any], workdir: Path,
-                  tenants: dict[str, dict[str, Any]] | None = None
+                  tenants: dict[str, dict[str, Any]] | None = None, database: str | None = None
                   ) -> tuple[subprocess.Popen[Any], str, dict[str, str]]:
     """`fairgate serve` with `config` (a fairgate.yaml mapping); returns (process, url, keys).
-    Tenants are created in its database first; without any, the demo tenant's key is used."""
+    Tenants are created in its database (default: a new SQLite file in `workdir`) first;
+    without any, the demo tenant's key is used."""
     port = free_port()
-    db = f"sqlite:///{workdir / f'gateway-{port}.db'}"
+    db = database or f"sqlite:///{workdir / f'gateway-{port}.db'}"
     keys = asyncio.run(_create_tenants(db, tenants)) if tenants else {}
     config = {**config, "database": db}
-    config["gateway"] = {**config.get("gateway", {}), "port": port, "demo_tenant": not tenants}
+    config["gateway"] = {**config.get("gateway", {}), "port": port, "demo_tenant": not tenants,
+                         "metrics_port": 0}
     path = workdir / f"fairgate-{port}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     proc = subprocess.Popen([PYTHON, "-m", "fairgate", "serve", "-c", str(path),

@@ -15,6 +15,7 @@ import yaml
 from engine.config import EngineConfig
 from engine.metrics import COMPAT_CHOICES
 from fairgate.config import load_config_file, section
+from protocol.serving import serve, setup_logging
 
 DEFAULT_PORT = 8100
 DEFAULT_HOST = "127.0.0.1"
@@ -59,13 +60,10 @@ def build_config(config_file: str | None, overrides: list[str]) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from engine.async_engine import AsyncEngine
     from engine.server import freeze_startup_heap, install_fast_event_loop, make_app
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level.upper())
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     config = build_config(args.config, args.overrides)
@@ -74,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     app.on_startup.append(freeze_startup_heap)  # after the engine context started
     install_fast_event_loop()
     # handler_cancellation: a client that hangs up on a non-streamed request aborts it too
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
-                print=lambda _: logging.getLogger("fairgate.engine").info(
-                    "serving %s on http://%s:%d", config.model, args.host, args.port))
+    serve(app, args.host, args.port, handler_cancellation=True,  # OSError: the port is taken
+          on_listening=lambda _: logging.getLogger("fairgate.engine").info(
+              "serving %s on http://%s:%d", config.model, args.host, args.port))
     return 0

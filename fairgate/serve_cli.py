@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
-
-from aiohttp import web
 
 from engine.server import freeze_startup_heap, install_fast_event_loop
 from fairgate.config import FairgateConfig
-from gateway.app import DEMO_TENANT, make_app
+from gateway.app import DEMO_TENANT, make_app, make_metrics_app
+from protocol.serving import serve, setup_logging
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +26,7 @@ def print_demo_key(key: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: "
-                        "%(message)s", stream=sys.stderr)
+    setup_logging(args.log_level)
     config = FairgateConfig.load(args.config)
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port
@@ -43,7 +39,17 @@ def run(args: argparse.Namespace) -> int:
           f"dispatch={config.gateway.dispatch}", flush=True)
     # handler_cancellation: a client that hangs up cancels its handler, which removes it from
     # the queue or aborts its engine request at once.
+    settings = config.gateway
+    extra = [] if settings.metrics_port is None else [
+        (make_metrics_app(app), settings.metrics_host, settings.metrics_port)]
+
+    def listening(bound: list[tuple[str, int]]) -> None:
+        if extra:
+            metrics_host, metrics_port = bound[1]
+            print(f"metrics on http://{metrics_host}:{metrics_port}/metrics", flush=True)
+
     install_fast_event_loop()
-    web.run_app(app, host=host, port=port, print=None, handler_cancellation=True,
-                access_log=None)
+    # OSError (an address in use): the dispatcher's one line and exit 2
+    serve(app, host, port, extra=extra, on_listening=listening, handler_cancellation=True,
+          access_log=None)
     return 0

@@ -2,19 +2,52 @@
 
 A tenant sees only its own usage: `/v1/usage` takes no tenant parameter, it answers for the
 caller's key. Other tenants' figures are behind the admin key.
+
+Everything here that reads or writes the database does it within `DATABASE_TIMEOUT_S`: a
+database that is down or does not answer is a retryable 503 `database_unavailable`, never a 500
+or a request that hangs on the driver's connect timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
+from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.proxy import read_json
 from gateway.state import AUTH, GATEWAY, STORE
 from protocol.errors import ApiError, bad_request
-from tenants import TenantError, TenantInfo, TenantLimits
+from tenants import DuplicateTenantError, TenantError, TenantInfo, TenantNotFoundError
+from tenants.values import check_tenant_name, tenant_from_mapping
+
+DATABASE_TIMEOUT_S = 5.0
+_RETRY_AFTER_S = 5.0
+
+
+@contextlib.asynccontextmanager
+async def _database() -> AsyncIterator[None]:
+    """The database calls of one handler: bounded in time, their outages a retryable 503."""
+    try:
+        async with asyncio.timeout(DATABASE_TIMEOUT_S):
+            yield
+    except TimeoutError:
+        raise ApiError(503, f"the tenant database did not answer within "
+                       f"{DATABASE_TIMEOUT_S:g} s; try again shortly",
+                       code="database_unavailable", retry_after=_RETRY_AFTER_S) from None
+    except (SQLAlchemyError, OSError) as exc:  # OSError: connections refused or reset
+        raise ApiError(503, f"the tenant database is unavailable ({type(exc).__name__}); try "
+                       "again shortly", code="database_unavailable",
+                       retry_after=_RETRY_AFTER_S) from None
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _window(request: web.Request) -> float | None:
@@ -35,8 +68,14 @@ async def _totals(request: web.Request, tenant: str) -> dict[str, Any]:
     if ledger is None:
         raise ApiError(404, "usage is not recorded by this gateway", code="no_ledger")
     window = _window(request)
-    await ledger.flush()  # queries see flushed records only
-    totals = await ledger.totals(tenant, window)
+    async with _database():
+        # Queries see flushed records only. Shielded: a flush cut off mid-commit could leave
+        # its batch both written and buffered; past the timeout it goes on in the background,
+        # its failure (the database is away: the ledger keeps the rows) already answered here.
+        flush = asyncio.ensure_future(ledger.flush())
+        flush.add_done_callback(_retrieve)
+        await asyncio.shield(flush)
+        totals = await ledger.totals(tenant, window)
     return {"object": "usage", "tenant": tenant, "window_s": window, **totals,
             "by_status": {str(k): v for k, v in totals["by_status"].items()}}
 
@@ -61,38 +100,48 @@ def tenant_json(info: TenantInfo) -> dict[str, Any]:
 
 async def list_tenants(request: web.Request) -> web.Response:
     request.app[AUTH].check_admin(request)
-    tenants = await request.app[STORE].list_tenants()
+    async with _database():
+        tenants = await request.app[STORE].list_tenants()
     return web.json_response({"data": [tenant_json(t) for t in tenants]})
+
+
+def _path_tenant(request: web.Request) -> str:
+    """The `{name}` of the path; 400 when it is not a valid tenant name (not a silent miss)."""
+    try:
+        return check_tenant_name(request.match_info["name"])
+    except TenantError as exc:
+        raise bad_request(str(exc), exc.field) from None
 
 
 async def create_tenant(request: web.Request) -> web.Response:
     request.app[AUTH].check_admin(request)
     body = await read_json(request)
-    if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-        raise bad_request("body must be an object with a tenant 'name'", "name")
-    fields = dict(body)
-    name = fields.pop("name")
     try:
-        limits = TenantLimits(**(fields.pop("limits", None) or {}))
-        info = await request.app[STORE].create_tenant(name, limits=limits, **fields)
-    except (TenantError, TypeError) as exc:
-        raise bad_request(str(exc)) from None
-    return web.json_response(tenant_json(info), status=201)
+        info = tenant_from_mapping(body)
+        async with _database():
+            created = await request.app[STORE].create_tenant(info.name, **info.settings())
+    except DuplicateTenantError as exc:
+        raise ApiError(409, str(exc), code="tenant_exists", param="name") from None
+    except TenantError as exc:
+        raise bad_request(str(exc), exc.field) from None
+    return web.json_response(tenant_json(created), status=201)
 
 
 async def create_key(request: web.Request) -> web.Response:
     request.app[AUTH].check_admin(request)
+    name = _path_tenant(request)
     try:
-        info, plaintext = await request.app[STORE].create_key(request.match_info["name"])
-    except TenantError as exc:
-        raise ApiError(404, str(exc), code="tenant_not_found") from None
+        async with _database():
+            info, plaintext = await request.app[STORE].create_key(name)
+    except TenantNotFoundError as exc:
+        raise ApiError(404, str(exc), code="tenant_not_found", param="name") from None
     return web.json_response({"id": info.id, "tenant": info.tenant, "key": plaintext},
                              status=201)
 
 
 async def tenant_usage(request: web.Request) -> web.Response:
     request.app[AUTH].check_admin(request)
-    return web.json_response(await _totals(request, request.match_info["name"]))
+    return web.json_response(await _totals(request, _path_tenant(request)))
 
 
 async def queues(request: web.Request) -> web.Response:

@@ -9,22 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.config import EngineConfig
-from gateway import admin, proxy
-from gateway.auth import Authenticator
+from gateway import admin, openapi, proxy
+from gateway.auth import Authenticator, bearer
 from gateway.backends import Backend, BackendPool, EmbeddedBackend, RemoteBackend
 from gateway.config import GatewayConfig
 from gateway.dispatch import tick
 from gateway.metrics import GatewayMetrics
 from gateway.service import Gateway
 from gateway.state import AUTH, GATEWAY, METRICS, SETTINGS, STORE
+from protocol.errors import ApiError
 from protocol.http import error_middleware
 from tenants import DEFAULT_DATABASE_URL, TenantStore, UsageLedger
 
@@ -53,19 +57,44 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     metrics = GatewayMetrics()
     pool = BackendPool(backends or _backends(settings, engine, lambda: gw.dispatcher.pump()),
                        headroom=settings.dispatch_headroom)
-    gw = Gateway(settings, pool, UsageLedger(store), metrics)
+    gw = Gateway(settings, pool, UsageLedger(store, spill_path=_spill_path(settings, database)),
+                 metrics)
     app[SETTINGS], app[STORE], app[METRICS] = settings, store, metrics
     app[GATEWAY] = gw
-    app[AUTH] = Authenticator(store, settings.admin_key)
+    app[AUTH] = Authenticator(store, settings.admin_key,
+                              failures_per_s=settings.auth_failures_per_s,
+                              failure_burst=settings.auth_failure_burst)
+    _read_at_scrape(metrics, gw, app[AUTH])
     app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker])
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     admin.add_routes(app)
-    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/metrics", metrics_on_main_port)
     app.router.add_get("/health", healthz)  # the path vLLM and SGLang serve
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/openapi.json", openapi.openapi_json)  # no auth, as vLLM's
     return app
+
+
+def _spill_path(settings: GatewayConfig, database: str) -> Path:
+    """One file per database, so a gateway never replays another database's records."""
+    digest = hashlib.sha256(database.encode()).hexdigest()[:12]
+    return Path(settings.usage_spill_dir) / f"fairgate-usage-spill-{digest}.jsonl"
+
+
+def _read_at_scrape(metrics: GatewayMetrics, gw: Gateway, auth: Authenticator) -> None:
+    ledger = gw.ledger
+    if ledger is not None:
+        metrics.read_at_scrape("fairgate_gateway_usage_pending", "Usage records waiting for the "
+                               "database", lambda: ledger.pending, kind="gauge")
+        metrics.read_at_scrape("fairgate_gateway_usage_dead_letters", "Usage records the "
+                               "database refused, set aside with the reason",
+                               lambda: ledger.dead_lettered)
+    metrics.read_at_scrape("fairgate_gateway_auth_lookup_failures", "Key lookups the tenant "
+                           "database did not answer", lambda: auth.lookup_failures)
+    metrics.read_at_scrape("fairgate_gateway_auth_held_back", "Unseen keys answered 429 because "
+                           "their address spent its failed-lookup budget", lambda: auth.held_back)
 
 
 def _backends(settings: GatewayConfig, engine: EngineConfig,
@@ -79,7 +108,9 @@ def _backends(settings: GatewayConfig, engine: EngineConfig,
                           tokenizer_file=settings.tokenizer,
                           poll_interval=settings.backend_poll_interval_s,
                           retry_after=settings.backend_retry_after_s,
-                          slack=settings.backend_waiting_slack, on_change=on_change)
+                          slack=settings.backend_waiting_slack, on_change=on_change,
+                          first_byte_timeout=settings.backend_first_byte_timeout_s,
+                          stall_timeout=settings.backend_stall_timeout_s)
             for b in settings.backends]
 
 
@@ -100,7 +131,7 @@ def _database(on_demo_key: Callable[[str], None] | None) -> Callable[
             yield
         finally:
             try:
-                await ledger.close()
+                await ledger.close(timeout=app[SETTINGS].usage_shutdown_flush_s)
             finally:
                 await store.close()
 
@@ -127,15 +158,62 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
             await task
 
 
-async def metrics_handler(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS].registry)
+# ---- metrics: per-tenant series, so never where tenants can read them -----------------------
+_GATEWAY_APP = web.AppKey("gateway_app", web.Application)
+
+
+def make_metrics_app(gateway_app: web.Application) -> web.Application:
+    """The metrics listener (`gateway.metrics_host:metrics_port`, loopback by default): only
+    /metrics, behind `gateway.metrics_token` when one is set."""
+    app = web.Application(middlewares=[error_middleware(log)])
+    app[_GATEWAY_APP] = gateway_app
+    app.router.add_get("/metrics", _metrics_listener)
+    return app
+
+
+async def _metrics_listener(request: web.Request) -> web.Response:
+    gateway_app = request.app[_GATEWAY_APP]
+    token = gateway_app[SETTINGS].metrics_token
+    if token is not None:
+        _check_metrics_token(request, token)
+    return _metrics(gateway_app)
+
+
+async def metrics_on_main_port(request: web.Request) -> web.Response:
+    """Tenants reach this port: metrics only for a bearer of `gateway.metrics_token`."""
+    token = request.app[SETTINGS].metrics_token
+    if token is None:
+        raise ApiError(404, "metrics are not served on this port: scrape the metrics listener "
+                       "(gateway.metrics_host:metrics_port) or set gateway.metrics_token",
+                       code="not_found")
+    _check_metrics_token(request, token)
+    return _metrics(request.app)
+
+
+def _check_metrics_token(request: web.Request, token: str) -> None:
+    if not hmac.compare_digest((bearer(request) or "").encode(), token.encode()):
+        raise ApiError(401, "a metrics token is required (Authorization: Bearer ...)",
+                       code="invalid_metrics_token")
+
+
+def _metrics(app: web.Application) -> web.Response:
+    body = generate_latest(app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+# ---- health -------------------------------------------------------------------------------
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
 async def readyz(request: web.Request) -> web.Response:
-    ready = request.app[GATEWAY].pool.healthy
-    return web.json_response({"ready": ready}, status=200 if ready else 503)
+    """Ready when a backend is reachable and the tenant database answers (without it no new
+    key can be authenticated), with what is wrong when not."""
+    backends = request.app[GATEWAY].pool.healthy
+    database = await request.app[AUTH].database_ready()
+    checks = {"backends": {"ok": backends} if backends else
+              {"ok": False, "detail": "no engine backend is reachable"},
+              "database": {"ok": True} if database is None else
+              {"ok": False, "detail": database}}
+    ready = backends and database is None
+    return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)

@@ -5,6 +5,13 @@ prompt (`count_prompt`), is there room for one more request (`has_room`, from th
 so that queueing happens in the gateway, where fairness applies), and run this job (`stream` /
 `complete`). Both kinds emit OpenAI bytes; the proxy never reformats them.
 
+A remote backend that stops answering (a hung or SIGSTOPped engine) fails its requests with 504
+`backend_timeout`: a stream that has no first token within `first_byte_timeout_s` or then goes
+silent for `stall_timeout_s`, a non-streamed answer that is not back within `first_byte_timeout_s`
+while the backend fails its health checks (its whole answer comes at once, so only liveness
+tells a long answer from a hung engine), or whose body stalls. The connection is closed and the
+backend is marked down until a health check passes: dispatch goes to the others meanwhile.
+
 Token counting for remote backends: a fairgate engine serving a `random:*` model uses the
 byte-level tokenizer (exact); `gateway.tokenizer` names a tokenizer.json for real checkpoints
 (exact); otherwise an estimate of one token per 4 characters of UTF-8.
@@ -24,8 +31,8 @@ from typing import Any, Protocol
 
 from engine.request import SamplingParams
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from gateway.config import BackendConfig
-from gateway.upstream import Response, UpstreamError, UpstreamPool
+from gateway.config import DEFAULT_FIRST_BYTE_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, BackendConfig
+from gateway.upstream import Response, UpstreamError, UpstreamPool, UpstreamTimeout
 from protocol.errors import ApiError
 from protocol.openai import (
     OpenAIRequest,
@@ -38,6 +45,8 @@ from protocol.sse import DONE, SSEReader, encode_event, sse_json
 
 log = logging.getLogger("fairgate.gateway")
 KV_HIGH_WATER = 0.95  # above this KV usage the engine is about to preempt; hold new work back
+HEALTH_TIMEOUT_S = 2.0  # a health check (/load, /v1/models) not answered in this: down
+HEALTH_INTERVAL_S = 1.0  # health checks alone (no load to track: down, or an OpenAI server)
 
 
 class BackendUnavailable(Exception):
@@ -204,7 +213,11 @@ class RemoteBackend:
     def __init__(self, config: BackendConfig, *, default_max_model_len: int,
                  tokenizer_file: str | None = None, poll_interval: float = 0.05,
                  retry_after: float = 5.0, slack: int = 4,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None,
+                 first_byte_timeout: float = DEFAULT_FIRST_BYTE_TIMEOUT_S,
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT_S) -> None:
+        """`first_byte_timeout`, `stall_timeout`: the gateway's defaults; the backend's own
+        config entry wins."""
         self.config = config
         self.name = config.base_url
         self.model_name = config.model or ""
@@ -216,6 +229,8 @@ class RemoteBackend:
         self.retry_after = retry_after
         self.slack = slack
         self.on_change = on_change
+        self.first_byte_timeout = _own_or(config.first_byte_timeout_s, first_byte_timeout)
+        self.stall_timeout = _own_or(config.stall_timeout_s, stall_timeout)
         self.tokenizer: Tokenizer | None = HFTokenizer(tokenizer_file) if tokenizer_file else None
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._http = UpstreamPool(config.base_url, headers)
@@ -263,41 +278,49 @@ class RemoteBackend:
 
     async def refresh(self) -> None:
         """Read /load (fairgate) or /v1/models (others); any failure marks the backend down."""
-        was = self.healthy
         try:
             if not self.model_name:
                 await self._discover_model()
+            elif not self.fairgate:
+                await self._get_json("/v1/models")
             if self.fairgate:
                 self.load = await self._get_json("/load")
                 self.max_model_len = int(self.config.max_model_len
                                          or self.load.get("max_model_len", self.max_model_len))
-            elif not was:
-                await self._get_json("/v1/models")
             self.healthy = True
-        except (UpstreamError, TimeoutError, ValueError) as exc:
-            if was:
-                log.warning("backend %s is down: %s", self.name, exc or type(exc).__name__)
-            self.healthy = False
+        except (UpstreamError, ValueError) as exc:
+            self.mark_down(str(exc) or repr(exc))
         if self.on_change is not None:
             self.on_change()
 
+    def mark_down(self, reason: str) -> None:
+        """Unhealthy (no dispatch here) until a health check passes."""
+        if self.healthy:
+            log.warning("backend %s is down: %s", self.name, reason)
+        self.healthy = False
+
     async def _poll(self) -> None:
         while True:
-            # A down backend is retried less often: it is a health check, not load tracking.
-            await asyncio.sleep(self.poll_interval if self.healthy else 1.0)
+            # /load is load tracking; without it (down, or an OpenAI server) this is a health
+            # check, and once a second is enough.
+            await asyncio.sleep(self.poll_interval if self.healthy and self.fairgate
+                                else HEALTH_INTERVAL_S)
             await self.refresh()
 
     async def _get_json(self, path: str) -> dict[str, Any]:
-        async with asyncio.timeout(2.0):
-            resp = await self._http.request("GET", path)
-            try:
-                if resp.status >= 400:
-                    raise UpstreamError(f"GET {path}: HTTP {resp.status}")
-                data = json.loads(await resp.read())
-            finally:
-                resp.close()
+        resp = await self._http.request("GET", path, timeout=HEALTH_TIMEOUT_S)
+        try:
+            if resp.status >= 400:
+                raise UpstreamError(f"GET {path}: HTTP {resp.status}")
+            raw = await resp.read()
+        finally:
+            resp.close()
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"GET {path} did not return JSON: {exc}") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{path} did not return a JSON object")
+            raise ValueError(f"GET {path} did not return a JSON object")
         return data
 
     async def _discover_model(self) -> None:
@@ -328,23 +351,38 @@ class RemoteBackend:
         """The backend's response to `job` (status < 400; the caller closes it)."""
         path = "/v1/chat/completions" if job.req.endpoint == "chat" else "/v1/completions"
         try:
-            resp = await self._http.request("POST", path, self._body(job, stream))
-        except UpstreamError as exc:
-            raise self._unreachable(exc) from None
-        if resp.status >= 400:
+            resp = await self._http.request(
+                "POST", path, self._body(job, stream), timeout=self.first_byte_timeout,
+                patience=None if stream else self._while_healthy)
+            if resp.status < 400:
+                return resp
             try:
                 error = await _upstream_error(resp, self.retry_after)
-            except UpstreamError as exc:
-                raise self._unreachable(exc) from None
             finally:
                 resp.close()
-            raise error
-        return resp
+        except UpstreamTimeout as exc:
+            raise self._timed_out(exc) from None
+        except UpstreamError as exc:
+            raise self._unreachable(exc) from None
+        raise error
+
+    def _while_healthy(self) -> float | None:
+        """A non-streamed answer comes whole at the end: past the first-byte timeout it is
+        still awaited while the backend passes its health checks (looked at again as often as
+        they run)."""
+        return HEALTH_INTERVAL_S if self.healthy else None
 
     def _unreachable(self, exc: UpstreamError) -> BackendUnavailable:
-        self.healthy = False  # until the next poll finds it again
+        self.mark_down(str(exc))  # until the next poll finds it again
         return BackendUnavailable(f"engine backend {self.name} unreachable: {exc}",
                                   self.retry_after)
+
+    def _timed_out(self, exc: UpstreamTimeout) -> ApiError:
+        """A backend that stopped answering answers no one: down until a health check
+        passes, and this request fails (its connection is already closed)."""
+        self.mark_down(str(exc))
+        return ApiError(504, f"engine backend {self.name} timed out: {exc}",
+                        code="backend_timeout")
 
     def _broken(self, exc: UpstreamError) -> BackendUnavailable:
         """A response cut off after it started: this request failed, the backend may be fine
@@ -355,11 +393,17 @@ class RemoteBackend:
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
         resp = await self._post(job, stream=True)
         reader = SSEReader()
+        streaming = False  # the first token came: from now on only a stall times out
         try:
             while data := await resp.next_chunk():
                 out = b"".join([_pass_event(e.data, job, outcome) for e in reader.feed(data)])
+                if not streaming and outcome.chunk_times:
+                    resp.watch_stalls(self.stall_timeout)
+                    streaming = True
                 if out:
                     yield out
+        except UpstreamTimeout as exc:
+            raise self._timed_out(exc) from None
         except UpstreamError as exc:
             raise self._broken(exc) from None
         finally:
@@ -368,7 +412,10 @@ class RemoteBackend:
     async def complete(self, job: Job, outcome: Outcome) -> bytes:
         resp = await self._post(job, stream=False)
         try:
+            resp.watch_stalls(self.stall_timeout)
             raw = await resp.read()
+        except UpstreamTimeout as exc:
+            raise self._timed_out(exc) from None
         except UpstreamError as exc:
             raise self._broken(exc) from None
         finally:
@@ -387,18 +434,25 @@ class RemoteBackend:
         return json.dumps(body, separators=(",", ":")).encode()
 
 
+def _own_or(own: float | None, default: float) -> float:
+    return default if own is None else own
+
+
 _PLAIN_TOKEN, _PLAIN_TOKEN_SPACED = b'"finish_reason":null', b'"finish_reason": null'
-_USAGE, _USAGE_SPACED = b'"usage":{', b'"usage": {'
+_USAGE_KEY, _USAGE, _USAGE_SPACED = b'"usage"', b'"usage":{', b'"usage": {'
+_NULL_USAGE_TAILS = (b',"usage":null}', b', "usage": null}')  # the last key of the object
 _ERROR, _ROLE = b'"error"', b'"role"'
 
 
 def _pass_event(data: bytes, job: Job, outcome: Outcome) -> bytes:
-    """One SSE event's data from the backend: note tokens and usage, drop the usage event the
-    client did not ask for, pass the rest on (re-encoded with LF line ends)."""
-    if (_PLAIN_TOKEN in data or _PLAIN_TOKEN_SPACED in data) and _ERROR not in data and (
-            _USAGE not in data and _USAGE_SPACED not in data and _ROLE not in data):
-        # The common case, a token and nothing else, needs no JSON parse. These byte patterns
-        # cannot come from generated text: JSON escapes the quotes inside strings.
+    """One SSE event's data from the backend: note tokens and usage, drop the usage the
+    client did not ask for (the event, and the `usage: null` of every chunk: OpenAI sends
+    neither then), pass the rest on (re-encoded with LF line ends)."""
+    asked = job.req.include_usage
+    if not asked and data.endswith(_NULL_USAGE_TAILS):
+        # Top-level for sure (it closes the object), so no parse is needed to drop it.
+        data = data[:data.rindex(b",")] + b"}"
+    if _plain_token(data, asked):
         outcome.chunk_times.append(time.perf_counter())
         if not outcome.usage_reported:
             outcome.completion_tokens += 1
@@ -420,7 +474,7 @@ def _pass_event(data: bytes, job: Job, outcome: Outcome) -> bytes:
     if "error" in obj:
         return sse_json(obj)
     if not choices:
-        return encode_event(data) if (usage and job.req.include_usage) else b""
+        return encode_event(data) if (usage and asked) else b""
     if token_choices(choices):
         outcome.chunk_times.append(time.perf_counter())
         if not outcome.usage_reported:
@@ -428,10 +482,21 @@ def _pass_event(data: bytes, job: Job, outcome: Outcome) -> bytes:
     reason = choices[0].get("finish_reason")
     if reason:
         outcome.finish_reason = reason
-    if usage and not job.req.include_usage:
+    if "usage" in obj and not asked:
         obj.pop("usage")
         return sse_json(obj)
     return encode_event(data)
+
+
+def _plain_token(data: bytes, asked_for_usage: bool) -> bool:
+    """A token and nothing else: the common case, passed on without a JSON parse. These byte
+    patterns cannot come from generated text: JSON escapes the quotes inside strings."""
+    if (_PLAIN_TOKEN not in data and _PLAIN_TOKEN_SPACED not in data) or (
+            _ERROR in data or _ROLE in data):
+        return False
+    if asked_for_usage:  # `usage: null` passes as it is; counts are read by the slow path
+        return _USAGE not in data and _USAGE_SPACED not in data
+    return _USAGE_KEY not in data
 
 
 async def _upstream_error(resp: Response, retry_after: float) -> Exception:

@@ -22,6 +22,12 @@ from protocol.validators import (
 )
 
 BACKEND_KINDS = ("fairgate", "openai")
+# A streamed answer's first token may wait for the engine's queue and a long prompt's prefill
+# (a 128k-token prompt on a 70B model: tens of seconds); once tokens flow, a gap of 30 s is
+# 100 times a slow decode step. Both end a hung engine's hold on a request long before
+# request_timeout_s (600 s).
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 60.0
+DEFAULT_STALL_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,9 @@ class BackendConfig:
     # None: from /load, else the engine section's value, else 2048
     # (gateway.app.DEFAULT_REMOTE_MAX_MODEL_LEN)
     max_model_len: int | None = None
+    # None: the gateway's backend_first_byte_timeout_s / backend_stall_timeout_s
+    first_byte_timeout_s: float | None = None
+    stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
@@ -49,6 +58,10 @@ class BackendConfig:
         check_positive_int("gateway.backends[].max_inflight", self.max_inflight)
         if self.max_model_len is not None:
             check_positive_int("gateway.backends[].max_model_len", self.max_model_len)
+        for name in ("first_byte_timeout_s", "stall_timeout_s"):
+            if getattr(self, name) is not None:
+                check_number(f"gateway.backends[].{name}", getattr(self, name), low=0,
+                             open_low=True)
 
     @property
     def base_url(self) -> str:
@@ -74,11 +87,31 @@ class GatewayConfig:
     backend_poll_interval_s: float = 0.05  # how often remote /load is read
     backend_retry_after_s: float = 5.0  # Retry-After when no backend is reachable
     backend_waiting_slack: int = 4  # engine-side waiting requests tolerated before holding back
+    # a remote backend's limits (its backends[] entry may set its own): request sent to first
+    # token (streams; a non-streamed answer waits on while the backend passes its health
+    # checks), and the longest silence mid-answer; either is a 504 and marks the backend down
+    backend_first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
+    backend_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     # `fair`: the fraction of each backend's seats (max_num_seqs) kept free of tenants over
     # their weighted share, so a light tenant's request starts at once; 0 turns it off
     dispatch_headroom: float = 0.125
     demo_tenant: bool = True  # first start with no tenants: create "demo" and print its key
     log_requests: bool = False  # never logs keys or bodies; this adds tenant/status/latency lines
+    # Metrics name every tenant: served on their own listener (loopback by default; null: none)
+    # and on the main port only to a bearer of metrics_token (which the listener checks too)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = 9464
+    metrics_token: str | None = None
+    # failed key lookups per client address before unseen keys are answered 429 without a
+    # database lookup (a bucket refilled at this rate, holding up to the burst); 0: no bound
+    auth_failures_per_s: float = 10.0
+    auth_failure_burst: int = 20
+    # where usage records go when the database is still away at shutdown (written at the next
+    # start; one file per database URL)
+    usage_spill_dir: str = "."
+    # how long a shutdown keeps trying a database that is away before it spills (well inside
+    # Kubernetes' default 30 s grace period, beside the streams it drains)
+    usage_shutdown_flush_s: float = 10.0
 
     def __post_init__(self) -> None:
         check_choice("gateway.dispatch", self.dispatch, DISPATCH_POLICIES)
@@ -91,13 +124,25 @@ class GatewayConfig:
                      open_high=True)
         for name in ("request_timeout_s", "client_timeout_s", "queue_timeout_s",
                      "output_estimate_window_s", "backend_poll_interval_s",
-                     "backend_retry_after_s"):
+                     "backend_retry_after_s", "backend_first_byte_timeout_s",
+                     "backend_stall_timeout_s"):
             check_number(f"gateway.{name}", getattr(self, name), low=0, open_low=True)
         if self.admin_key is not None and (not isinstance(self.admin_key, str)
                                            or len(self.admin_key) < 16):
             raise ValueError("gateway.admin_key must be a string of at least 16 characters")
         for name in ("demo_tenant", "log_requests"):
             check_bool(f"gateway.{name}", getattr(self, name))
+        if self.metrics_port is not None:
+            check_int("gateway.metrics_port", self.metrics_port, low=0, high=65535)
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise ValueError("gateway.metrics_host must be a host name or address")
+        if self.metrics_token is not None and (not isinstance(self.metrics_token, str)
+                                               or len(self.metrics_token) < 16):
+            raise ValueError("gateway.metrics_token must be a string of at least 16 characters")
+        check_number("gateway.auth_failures_per_s", self.auth_failures_per_s, low=0)
+        if not isinstance(self.usage_spill_dir, str) or not self.usage_spill_dir:
+            raise ValueError("gateway.usage_spill_dir must be a directory path")
+        check_positive_int("gateway.auth_failure_burst", self.auth_failure_burst)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> GatewayConfig:

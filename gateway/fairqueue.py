@@ -13,12 +13,17 @@ weights of the tenants active now or lately (SHARE_WINDOW_S, so a light tenant b
 requests keeps its place). `pop(admit)` lets the dispatcher restrict a pick to tenants under
 their share when only the headroom it keeps for them is free (see gateway.dispatch).
 
-Bounds (queued requests, queued estimated tokens) are checked on push; a full queue answers with
-the time its tenant's recent drain rate needs to make room.
+Bounds (queued requests, queued estimated tokens) are checked on push. A full queue answers with
+when a slot frees: the tenant's running requests finish at their expected times (the tenant's
+recent seconds per output token times each request's estimated output, less the time it has run
+already), each finish dispatches the next queued request in its seat, and the wait is the time
+until enough queued requests have left. Before any request of the gateway has finished, the
+tenant's recent drain rate stands in.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections import deque
@@ -36,6 +41,9 @@ DRAIN_WINDOW_S = 30.0
 SHARE_WINDOW_S = 5.0  # a tenant seen this recently still counts when seats are shared out
 _NO_DRAIN_RETRY_S = 5.0  # nothing drained lately: a guess, bounded so clients come back
 _MAX_RETRY_S = 60.0
+_PACE_SMOOTHING = 0.3  # EWMA weight of the newest finished request's seconds per output token
+_OVERDUE_LEFT = 0.25  # a request past its expected time: assume this fraction of it still left
+_RETRY_MARGIN_S = 0.05  # a client that waits exactly Retry-After arrives just after the slot frees
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class QueuedRequest:
     payload: Any = None  # what the caller waits on; the queue never looks at it
     seq: int = 0
     enqueued_at: float = 0.0
+    dispatched_at: float = 0.0
     state: str = "new"  # new -> queued -> dispatched -> finished | removed
 
     @property
@@ -82,6 +91,8 @@ class TenantQueue:
     counter: float = 0.0  # VTC virtual service, in weighted tokens
     drained: deque[tuple[float, int]] = field(default_factory=deque)  # (time, cost) dispatched
     last_active: float = float("-inf")  # last push, dispatch or finish
+    inflight: dict[int, QueuedRequest] = field(default_factory=dict)  # dispatched, by seq
+    pace: float | None = None  # seconds per estimated output token, recent finishes (EWMA)
 
     @property
     def can_run(self) -> bool:
@@ -111,6 +122,7 @@ class FairQueue:
         self._active: dict[str, set[str]] = {c: set() for c in CLASSES}  # backlogged tenants
         self._seq = itertools.count()
         self._vtime = 0.0  # counter of the last dispatch: the floor when no one is backlogged
+        self.pace: float | None = None  # every tenant's pace: the estimate for a new tenant
         self.size = 0
 
     def __len__(self) -> int:
@@ -147,20 +159,53 @@ class FairQueue:
     def _check_room(self, tq: TenantQueue, item: QueuedRequest) -> None:
         b, now = tq.bounds, self.clock()
         if b.max_requests is not None and tq.queued_requests + 1 > b.max_requests:
-            rate, _ = tq.drain_rates(now)
-            raise QueueFull("queue_requests", _retry(tq.queued_requests + 1 - b.max_requests, rate),
+            excess = tq.queued_requests + 1 - b.max_requests
+            raise QueueFull("queue_requests", self._retry(tq, now, excess, "requests"),
                             f"too many queued requests for tenant {tq.name} "
                             f"(max_queued_requests={b.max_requests})")
         if b.max_tokens is not None and tq.queued_tokens + item.cost > b.max_tokens:
-            _, rate = tq.drain_rates(now)
-            excess = tq.queued_tokens + item.cost - b.max_tokens
             if item.cost > b.max_tokens:  # never fits; say so, without a retry that cannot help
                 raise QueueFull("queue_tokens", _MAX_RETRY_S,
                                 f"request's estimated cost ({item.cost} tokens) exceeds "
                                 f"max_queued_tokens ({b.max_tokens})")
-            raise QueueFull("queue_tokens", _retry(excess, rate),
+            excess = tq.queued_tokens + item.cost - b.max_tokens
+            raise QueueFull("queue_tokens", self._retry(tq, now, excess, "tokens"),
                             f"too many queued tokens for tenant {tq.name} "
                             f"(max_queued_tokens={b.max_tokens})")
+
+    def _retry(self, tq: TenantQueue, now: float, excess: int, unit: str) -> float:
+        """Seconds until `excess` queued requests (or tokens) of `tq` have been dispatched."""
+        wait = self._slot_frees(tq, now, excess, unit)
+        if wait is None:  # no finish seen yet: the recent drain rate is all there is
+            requests, tokens = tq.drain_rates(now)
+            rate = requests if unit == "requests" else tokens
+            return _NO_DRAIN_RETRY_S if rate <= 0 else min(_MAX_RETRY_S, excess / rate)
+        return min(_MAX_RETRY_S, wait + _RETRY_MARGIN_S)
+
+    def _slot_frees(self, tq: TenantQueue, now: float, excess: int, unit: str) -> float | None:
+        """Replay the tenant's seats forward: each running request ends at its expected time and
+        its seat takes the next queued request; None without a pace or a running request."""
+        pace = tq.pace if tq.pace is not None else self.pace
+        if pace is None or not tq.inflight:
+            return None
+
+        def expected(item: QueuedRequest) -> float:
+            return pace * (item.output_tokens + 1)
+
+        ends = []
+        for running in tq.inflight.values():
+            length = expected(running)
+            left = length - (now - running.dispatched_at)
+            ends.append(now + max(left, _OVERDUE_LEFT * length))
+        heapq.heapify(ends)
+        freed = 0
+        for queued in (i for c in CLASSES for i in tq.queues[c]):
+            at = heapq.heappop(ends)
+            freed += 1 if unit == "requests" else queued.cost
+            if freed >= excess:
+                return at - now
+            heapq.heappush(ends, at + expected(queued))
+        return None
 
     def _floor(self, exclude: str) -> float:
         active = [self.tenants[t].counter for c in CLASSES for t in self._active[c] if t != exclude]
@@ -182,8 +227,9 @@ class FairQueue:
         self._vtime = max(self._vtime, tq.counter)
         tq.counter += self.cost.cost(item.input_tokens, item.output_tokens) / tq.weight
         tq.running += 1
-        tq.last_active = self.clock()
+        tq.last_active = item.dispatched_at = self.clock()
         tq.drained.append((tq.last_active, item.cost))
+        tq.inflight[item.seq] = item
         item.state = "dispatched"
         return item
 
@@ -247,6 +293,11 @@ class FairQueue:
         tq.counter += (actual - estimated) / tq.weight
         tq.running -= 1
         tq.last_active = self.clock()
+        tq.inflight.pop(item.seq, None)
+        if output_tokens > 0:  # a request that produced nothing says nothing about its pace
+            pace = (tq.last_active - item.dispatched_at) / (item.output_tokens + 1)
+            tq.pace = _smooth(tq.pace, pace)
+            self.pace = _smooth(self.pace, pace)
         item.state = "finished"
 
     # ---- shares -------------------------------------------------------------------------------
@@ -276,7 +327,5 @@ class FairQueue:
                        "weight": tq.weight} for name, tq in self.tenants.items()}
 
 
-def _retry(excess: float, rate: float) -> float:
-    if rate <= 0:
-        return _NO_DRAIN_RETRY_S
-    return min(_MAX_RETRY_S, excess / rate)
+def _smooth(old: float | None, new: float) -> float:
+    return new if old is None else old + _PACE_SMOOTHING * (new - old)

@@ -4,9 +4,12 @@ dict lookup and a lock, which adds up at one ITL observation per token."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from protocol.measures import SLO, RequestTiming, attainment
 
@@ -50,6 +53,13 @@ class GatewayMetrics:
                               registry=r)
         self._children: dict[tuple[str, ...], Any] = {}
         self._slo_counts: dict[tuple[str, str], list[int]] = {}
+        self._read = _ReadAtScrape()
+        r.register(self._read)
+
+    def read_at_scrape(self, name: str, help_text: str, value: Callable[[], float],
+                       kind: str = "counter") -> None:
+        """A series another object keeps (the ledger's, the authenticator's), read per scrape."""
+        self._read.series.append((name, help_text, value, kind))
 
     def child(self, metric: str, *labels: str) -> Any:
         """The labelled child of `metric`, cached: this runs several times per request."""
@@ -82,3 +92,13 @@ class GatewayMetrics:
         fraction = attainment(counts[0], counts[1], target)["fraction"]
         if fraction is not None:
             self.child("slo_attainment", tenant, slo).set(fraction)
+
+
+class _ReadAtScrape(Collector):
+    def __init__(self) -> None:
+        self.series: list[tuple[str, str, Callable[[], float], str]] = []
+
+    def collect(self) -> Iterator[Metric]:
+        for name, help_text, value, kind in self.series:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, help_text, value=value())

@@ -68,9 +68,12 @@ async def _handle(request: web.Request, endpoint: str) -> web.StreamResponse:
         raise
     try:
         backend = await adm.wait(future, gw.queue_timeout(principal.tenant))
-        async with asyncio.timeout(gw.config.request_timeout_s):
-            if req.stream:
-                return await _stream(request, adm, backend)
+        # The request timeout is a deadline the stream itself checks: one that passes after the
+        # first byte must end the stream with an error event, not just stop writing.
+        deadline = asyncio.get_running_loop().time() + gw.config.request_timeout_s
+        if req.stream:
+            return await _stream(request, adm, backend, deadline)
+        async with asyncio.timeout_at(deadline):
             return await _whole(adm, backend)
     except ApiError as exc:
         adm.settle(exc.status)
@@ -81,13 +84,16 @@ async def _handle(request: web.Request, endpoint: str) -> web.StreamResponse:
                        retry_after=exc.retry_after) from None
     except TimeoutError:
         adm.settle(504)
-        raise ApiError(504, f"the request did not finish within "
-                       f"{gw.config.request_timeout_s:g} s", code="timeout") from None
+        raise _request_timeout(gw.config.request_timeout_s) from None
     except (asyncio.CancelledError, ConnectionError):
         adm.settle(CLIENT_GONE)
         raise
     finally:
         adm.settle(500)  # only reached unsettled by an unexpected error
+
+
+def _request_timeout(seconds: float) -> ApiError:
+    return ApiError(504, f"the request did not finish within {seconds:g} s", code="timeout")
 
 
 async def _whole(adm: Admission, backend: Backend) -> web.Response:
@@ -96,29 +102,38 @@ async def _whole(adm: Admission, backend: Backend) -> web.Response:
     return web.Response(body=body, content_type="application/json")
 
 
-async def _stream(request: web.Request, adm: Admission, backend: Backend) -> web.StreamResponse:
+async def _stream(request: web.Request, adm: Admission, backend: Backend,
+                  deadline: float) -> web.StreamResponse:
     events = backend.stream(adm.job, adm.outcome)
     try:
         # Wait for the first event before sending headers: errors that come before any token
-        # (bad params, overload) still get a proper status code.
-        first = await anext(events, b"")
+        # (bad params, overload, the deadline) still get a proper status code.
+        async with asyncio.timeout_at(deadline):
+            first = await anext(events, b"")
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
-        status = await _pump(resp, first, events)
+        status = await _pump(resp, first, events, deadline, adm.gateway.config.request_timeout_s)
         adm.settle(status)
         return resp
     finally:
         await events.aclose()
 
 
-async def _pump(resp: web.StreamResponse, first: bytes, events: Any) -> int:
+async def _pump(resp: web.StreamResponse, first: bytes, events: Any, deadline: float,
+                timeout_s: float) -> int:
     """Write the stream; an error after the first byte travels as an SSE error event."""
     try:
-        await resp.write(first)
-        async for chunk in events:
-            await resp.write(chunk)
-    except (ApiError, BackendUnavailable) as exc:
-        err = exc if isinstance(exc, ApiError) else ApiError(503, str(exc), code="backend_error")
+        async with asyncio.timeout_at(deadline):
+            await resp.write(first)
+            async for chunk in events:
+                await resp.write(chunk)
+    except (ApiError, BackendUnavailable, TimeoutError) as exc:
+        if isinstance(exc, ApiError):
+            err = exc
+        elif isinstance(exc, TimeoutError):
+            err = _request_timeout(timeout_s)
+        else:
+            err = ApiError(503, str(exc), code="backend_error")
         await resp.write(error_event(err) + DONE)
         await resp.write_eof()
         return err.status

@@ -16,13 +16,19 @@ Semantics the proxy relies on:
 - A connection that sat idle longer than `idle_timeout` is not reused (servers close idle
   connections: uvicorn after 5 s), and a request whose reused connection turns out to have been
   closed before any byte of a response came back is sent once more on a new connection.
+- A request's `timeout` bounds its wait for the answer, head and body, until the caller says
+  `Response.watch_stalls(s)`: from then on only a silence of `s` seconds fails it. Either ends
+  in an `UpstreamTimeout` with the connection closed, so a hung backend holds nothing. Both are
+  one timer per request, moved lazily: receiving bytes costs a clock read, not a new timer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl
 import time
+from collections.abc import Callable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -36,10 +42,21 @@ class UpstreamError(Exception):
     """The backend could not be reached, or broke the HTTP exchange."""
 
 
+class UpstreamTimeout(UpstreamError):
+    """The backend did not answer, or went silent mid-answer, within the caller's limit."""
+
+
+# Asked when a request's deadline passes: seconds more to wait, or None to give up.
+Patience = Callable[[], float | None]
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
         self.parser = httptools.HttpResponseParser(self)
         self.lost = False
         self.idle_since = 0.0
@@ -61,6 +78,10 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self.waiter: asyncio.Future[None] | None = None
+        self.deadline = math.inf  # loop time: the answer (or, when stalls are watched, more of it)
+        self.stall: float | None = None  # watching stalls: each read moves the deadline this far
+        self.patience: Patience | None = None
+        self.timeout_message = ""
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -71,6 +92,8 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamError("the backend sent data outside a response"))
             return
         self.received = True
+        if self.stall is not None:
+            self.deadline = self.loop.time() + self.stall
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -150,10 +173,51 @@ class _Connection(asyncio.Protocol):
                 raise self.error
             await self._wait()
 
+    # ---- deadlines ------------------------------------------------------------------------------
+    def expect_by(self, deadline: float, message: str, patience: Patience | None = None) -> None:
+        """Fail the exchange with UpstreamTimeout(`message`) unless it is over by `deadline`
+        (loop time); `patience` may grant more time when it passes."""
+        self.deadline, self.timeout_message, self.patience = deadline, message, patience
+        self._arm(deadline)
+
+    def watch_stalls(self, seconds: float, message: str) -> None:
+        self.stall = seconds
+        self.expect_by(self.loop.time() + seconds, message)
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            if self._timer_at <= when:
+                return  # it fires first and re-arms for the later deadline then
+            self._timer.cancel()
+        self._timer, self._timer_at = self.loop.call_at(when, self._on_deadline), when
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = None, math.inf
+
+    def _on_deadline(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        if not self.busy or self.complete or self.error is not None:
+            return
+        now = self.loop.time()
+        if self.stall is not None and (self.body or self.paused):
+            self.deadline = now + self.stall  # the reader is behind, not the backend
+        elif now >= self.deadline and self.patience is not None:
+            more = self.patience()
+            if more is not None:
+                self.deadline = now + more
+        if now < self.deadline:
+            self._arm(self.deadline)
+            return
+        self._fail(UpstreamTimeout(self.timeout_message))
+
     def abort(self) -> None:
+        """Close now: data not yet sent is dropped (a stopped backend may never read it)."""
         self.lost = True
+        self.disarm()
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
 
 
 class Response:
@@ -176,12 +240,20 @@ class Response:
             parts.append(data)
         return b"".join(parts)
 
+    def watch_stalls(self, seconds: float) -> None:
+        """From now on, UpstreamTimeout only when the backend sends nothing for `seconds`
+        (instead of the request's `timeout` running on)."""
+        conn = self._conn
+        if not conn.complete:  # a whole answer already here (the usual one) needs no timer
+            conn.watch_stalls(seconds, f"the backend sent nothing for {seconds:g} s mid-answer")
+
     def close(self) -> None:
         """Back to the pool if read to the end on a keep-alive connection, else closed."""
         conn = self._conn
         if not conn.busy:
             return
         conn.busy = False
+        conn.disarm()
         if conn.complete and conn.keep_alive and conn.error is None and not conn.lost:
             self._conn.pool.release(conn)
         else:
@@ -212,23 +284,30 @@ class UpstreamPool:
         self._closed = False
 
     async def request(self, method: str, path: str, body: bytes = b"",
-                      content_type: str = "application/json") -> Response:
-        """Send a request and wait for the response's head. The caller must `close()` it."""
+                      content_type: str = "application/json", *, timeout: float | None = None,
+                      patience: Patience | None = None) -> Response:
+        """Send a request and wait for the response's head. The caller must `close()` it.
+
+        `timeout`: seconds for the whole answer from now (connecting included), until the
+        caller watches stalls instead; when it passes, `patience` may grant more."""
         head = (f"{method} {self.prefix}{path} HTTP/1.1\r\nContent-Length: {len(body)}\r\n"
                 f"Content-Type: {content_type}\r\n").encode("latin-1")
         payload = head + self._head_tail + b"\r\n" + body
+        limit = _Limit(method, path, timeout, patience)
         conn, reused = self._acquire()
         if conn is None:
-            conn, reused = await self._connect(), False
+            conn, reused = await self._connect(limit.left()), False
         try:
-            return await self._exchange(conn, payload)
+            return await self._exchange(conn, payload, limit)
+        except UpstreamTimeout:
+            raise  # the backend has it and says nothing: sending it again would not help
         except UpstreamError:
             if not (reused and not conn.received):
                 raise
         # The reused connection was closed by the backend before it answered: once more.
-        return await self._exchange(await self._connect(), payload)
+        return await self._exchange(await self._connect(limit.left()), payload, limit)
 
-    async def _exchange(self, conn: _Connection, payload: bytes) -> Response:
+    async def _exchange(self, conn: _Connection, payload: bytes, limit: _Limit) -> Response:
         conn._reset()
         conn.busy = True
         try:
@@ -236,6 +315,8 @@ class UpstreamPool:
             if conn.lost or conn.transport.is_closing():
                 raise UpstreamError("the backend closed the connection")
             conn.transport.write(payload)
+            if limit.deadline is not None:
+                conn.expect_by(limit.deadline, limit.message, limit.patience)
             await conn.headers_received()
         except BaseException:
             conn.busy = False
@@ -254,15 +335,16 @@ class UpstreamPool:
             conn.abort()
         return None, False
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self, within: float | None = None) -> _Connection:
         loop = asyncio.get_running_loop()
+        timeout = self.connect_timeout if within is None else min(within, self.connect_timeout)
         try:
-            async with asyncio.timeout(self.connect_timeout):
+            async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(
                     lambda: _Connection(self), self.host, self.port, ssl=self.ssl)
         except TimeoutError:
             raise UpstreamError(f"connecting to {self.host}:{self.port} timed out after "
-                                f"{self.connect_timeout:g} s") from None
+                                f"{timeout:g} s") from None
         except OSError as exc:
             raise UpstreamError(f"cannot connect to {self.host}:{self.port}: "
                                 f"{exc.strerror or exc}") from None
@@ -289,3 +371,20 @@ class UpstreamPool:
         self._closed = True
         while self._idle:
             self._idle.pop().abort()
+
+
+class _Limit:
+    """One request's `timeout`, as a deadline on the loop's clock from when it was asked."""
+
+    __slots__ = ("deadline", "message", "patience")
+
+    def __init__(self, method: str, path: str, timeout: float | None,
+                 patience: Patience | None) -> None:
+        self.deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        self.message = f"no answer to {method} {path} within {timeout:g} s" if timeout else ""
+        self.patience = patience
+
+    def left(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())

@@ -13,8 +13,9 @@ import re
 import secrets
 
 KEY_PREFIX = "fg-"
+KEY_BODY_LEN = 43  # secrets.token_urlsafe(32): 32 bytes in URL-safe base64, unpadded
 DISPLAY_PREFIX_LEN = 10  # "fg-" + 7 characters: enough to tell keys apart, useless to guess
-_MAX_KEY_LEN = 256
+KEY_RE = re.compile(rf"{re.escape(KEY_PREFIX)}[A-Za-z0-9_-]{{{KEY_BODY_LEN}}}")
 _HASH_RE = re.compile(r"^(sha256|hmac-sha256):[0-9a-f]{64}$")
 
 
@@ -40,12 +41,9 @@ def is_valid_hash(stored_hash: object) -> bool:
 
 
 def looks_like_key(plaintext: object) -> bool:
-    """Cheap shape check so garbage never reaches the database."""
-    return (
-        isinstance(plaintext, str)
-        and plaintext.startswith(KEY_PREFIX)
-        and len(KEY_PREFIX) < len(plaintext) <= _MAX_KEY_LEN
-    )
+    """The exact shape `generate_key` makes (prefix, length, alphabet): anything else is not a
+    fairgate key, answered without hashing it or asking the database."""
+    return isinstance(plaintext, str) and KEY_RE.fullmatch(plaintext) is not None
 
 
 def display_prefix(plaintext: str) -> str:

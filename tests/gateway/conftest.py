@@ -10,12 +10,22 @@ import pytest
 
 from gateway.app import make_app
 from gateway.config import GatewayConfig
+from tenants import TenantStore
 from tests.gateway.helpers import SIM_ENGINE, ServerThread, create_tenants
 
 
 @pytest.fixture
 def db_url(tmp_path: Any) -> str:
     return f"sqlite+aiosqlite:///{tmp_path / 'gateway.db'}"
+
+
+@pytest.fixture
+async def store(db_url: str) -> Any:
+    """A tenant store on this test's SQLite database."""
+    store = TenantStore(db_url)
+    await store.init()
+    yield store
+    await store.close()
 
 
 @pytest.fixture

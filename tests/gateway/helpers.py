@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from engine import EngineConfig
 from gateway.app import make_app
 from gateway.backends import Job, Outcome
 from gateway.config import GatewayConfig
-from gateway.state import GATEWAY
+from gateway.state import GATEWAY, METRICS
 from protocol.openai import OpenAIRequest, prompt_text
 from tenants import TenantLimits, TenantStore
 
@@ -119,6 +120,10 @@ class Harness:
 
     def auth(self, tenant: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.keys[tenant]}"}
+
+    def metrics(self) -> str:
+        """What the metrics listener serves (tenants cannot reach it: see test_privacy)."""
+        return generate_latest(self.app[METRICS].registry).decode()
 
     async def post(self, tenant: str | None, body: Any, path: str = "/v1/completions") -> Any:
         headers = self.auth(tenant) if tenant else {}

@@ -33,7 +33,7 @@ async def test_streaming_chat_with_usage(aiohttp_client: Any, db_url: str) -> No
     assert content[0]["choices"][0]["delta"]["role"] == "assistant"
     assert content[-1]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["usage"]["completion_tokens"] == 6
-    metrics = await (await h.client.get("/metrics")).text()
+    metrics = h.metrics()
     assert 'fairgate_gateway_requests_total{status="200",tenant="acme"} 1.0' in metrics
     assert 'fairgate_gateway_tokens_total{direction="out",tenant="acme"} 6.0' in metrics
     assert "fairgate_gateway_ttft_seconds_count" in metrics

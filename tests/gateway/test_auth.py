@@ -11,18 +11,11 @@ from aiohttp.test_utils import make_mocked_request
 from gateway.auth import Authenticator
 from protocol.errors import ApiError
 from tenants import Principal, TenantStore
+from tenants.keys import generate_key
 
 
 def bearer_request(key: str) -> Any:
     return make_mocked_request("POST", "/v1/completions", headers={"Authorization": f"Bearer {key}"})
-
-
-@pytest.fixture
-async def store(db_url: str) -> Any:
-    store = TenantStore(db_url)
-    await store.init()
-    yield store
-    await store.close()
 
 
 async def test_cached_key_is_answered_without_a_lookup(store: TenantStore, monkeypatch: Any) -> None:
@@ -68,9 +61,10 @@ async def test_requests_after_expiry_share_one_lookup(store: TenantStore, monkey
 
 async def test_unknown_key_is_401_and_remembered(store: TenantStore, monkeypatch: Any) -> None:
     auth = Authenticator(store, admin_key=None)
+    unknown = generate_key()
     for _ in range(3):
         with pytest.raises(ApiError) as err:
-            await auth.tenant(bearer_request("fg-not-a-real-key-at-all"))
+            await auth.tenant(bearer_request(unknown))
         assert err.value.status == 401
 
     async def must_not_run(plaintext: str) -> Principal | None:
@@ -78,4 +72,4 @@ async def test_unknown_key_is_401_and_remembered(store: TenantStore, monkeypatch
 
     monkeypatch.setattr(store, "authenticate_key", must_not_run)
     with pytest.raises(ApiError):
-        await auth.tenant(bearer_request("fg-not-a-real-key-at-all"))
+        await auth.tenant(bearer_request(unknown))

@@ -24,7 +24,7 @@ def serve(tmp_path: Path) -> Iterator[tuple[str, str]]:
     config = tmp_path / "fairgate.yaml"
     config.write_text(f"database: sqlite:///{tmp_path / 'fg.db'}\n"
                       "engine:\n  executor: sim\n  max_model_len: 1024\n"
-                      f"gateway:\n  port: {port}\n")
+                      f"gateway:\n  port: {port}\n  metrics_port: 0\n")
     proc = subprocess.Popen([sys.executable, "-m", "fairgate", "serve", "-c", str(config)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

@@ -98,7 +98,7 @@ async def test_429_requests_per_min_with_retry_after(aiohttp_client: Any, db_url
     await error_of(resp, 429, "requests_per_min")
     assert 1 <= int(resp.headers["Retry-After"]) <= 60
     assert (await h.post("other", body())).status == 200  # other tenants are unaffected
-    metrics = await (await h.client.get("/metrics")).text()
+    metrics = h.metrics()
     assert 'fairgate_gateway_rejections_total{reason="requests_per_min",tenant="acme"} 1.0' in metrics
 
 

@@ -1,0 +1,97 @@
+"""`fairgate` subprocesses whose whole output is kept: a thread drains the pipe (a chatty
+server never blocks on a full pipe), waits are on lines it printed or on its exit, and the
+output stays for the key-leak check after the test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Service:
+    """One `python -m fairgate ARGS...` process, stdout and stderr together, run in `cwd`
+    (the test's own folder: whatever it writes there, such as a usage spill file, stays out
+    of the repository)."""
+
+    def __init__(self, name: str, args: list[str], cwd: Path) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fairgate", *args], cwd=cwd,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._lines: list[str] = []
+        self._changed = threading.Condition()
+        self._eof = False
+        self._reader = threading.Thread(target=self._drain, name=f"{name}-output", daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            with self._changed:
+                self._lines.append(raw.decode(errors="replace"))
+                self._changed.notify_all()
+        with self._changed:
+            self._eof = True
+            self._changed.notify_all()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def output(self) -> str:
+        with self._changed:
+            return "".join(self._lines)
+
+    def tail(self, chars: int = 3000) -> str:
+        return f"--- {self.name} (exit {self.proc.poll()}) ---\n{self.output[-chars:]}"
+
+    def _wait_line(self, marker: str, timeout: float) -> str:
+        def found() -> str | None:
+            return next((line for line in self._lines if marker in line), None)
+
+        with self._changed:
+            self._changed.wait_for(lambda: found() is not None or self._eof, timeout)
+            line = found()
+        if line is None:
+            raise AssertionError(f"{self.name} never printed {marker!r}\n{self.tail()}")
+        return line
+
+    async def wait_line(self, marker: str, timeout: float = 30.0) -> str:
+        """The first line containing `marker`; AssertionError when the process exits or
+        `timeout` passes first."""
+        return await asyncio.to_thread(self._wait_line, marker, timeout)
+
+    async def exited(self, timeout: float) -> int:
+        """Its exit status, waited for off the test's event loop (streams keep flowing)."""
+        try:
+            code = await asyncio.to_thread(self.proc.wait, timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {timeout} s\n"
+                                 f"{self.tail()}") from None
+        await asyncio.to_thread(self._reader.join, 10)  # the rest of its output
+        return code
+
+    def send(self, sig: signal.Signals) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Resume (it may be SIGSTOPped), signal, wait; SIGKILL when it does not exit."""
+        self.send(signal.SIGCONT)
+        self.send(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait(timeout)
+        self._reader.join(10)
+        return code
