@@ -45,11 +45,6 @@ async def _database() -> AsyncIterator[None]:
                        retry_after=_RETRY_AFTER_S) from None
 
 
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
 def _window(request: web.Request) -> float | None:
     raw = request.query.get("window_s")
     if raw is None:
@@ -70,11 +65,9 @@ async def _totals(request: web.Request, tenant: str) -> dict[str, Any]:
     window = _window(request)
     async with _database():
         # Queries see flushed records only. Shielded: a flush cut off mid-commit could leave
-        # its batch both written and buffered; past the timeout it goes on in the background,
-        # its failure (the database is away: the ledger keeps the rows) already answered here.
-        flush = asyncio.ensure_future(ledger.flush())
-        flush.add_done_callback(_retrieve)
-        await asyncio.shield(flush)
+        # its batch both written and buffered; past the timeout it goes on in the background
+        # (one, shared by every query meanwhile), its failure already answered here.
+        await asyncio.shield(ledger.shared_flush())
         totals = await ledger.totals(tenant, window)
     return {"object": "usage", "tenant": tenant, "window_s": window, **totals,
             "by_status": {str(k): v for k, v in totals["by_status"].items()}}

@@ -57,8 +57,7 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     metrics = GatewayMetrics()
     pool = BackendPool(backends or _backends(settings, engine, lambda: gw.dispatcher.pump()),
                        headroom=settings.dispatch_headroom)
-    gw = Gateway(settings, pool, UsageLedger(store, spill_path=_spill_path(settings, database)),
-                 metrics)
+    gw = Gateway(settings, pool, _ledger(store, settings, database), metrics)
     app[SETTINGS], app[STORE], app[METRICS] = settings, store, metrics
     app[GATEWAY] = gw
     app[AUTH] = Authenticator(store, settings.admin_key,
@@ -77,10 +76,14 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     return app
 
 
-def _spill_path(settings: GatewayConfig, database: str) -> Path:
-    """One file per database, so a gateway never replays another database's records."""
+def _ledger(store: TenantStore, settings: GatewayConfig, database: str) -> UsageLedger:
+    """Its files in `usage_spill_dir`, named per database, so a gateway never replays another
+    database's records: the spill (records a shutdown could not write) and the dead letters
+    the database refused twice over."""
     digest = hashlib.sha256(database.encode()).hexdigest()[:12]
-    return Path(settings.usage_spill_dir) / f"fairgate-usage-spill-{digest}.jsonl"
+    folder = Path(settings.usage_spill_dir)
+    return UsageLedger(store, spill_path=folder / f"fairgate-usage-spill-{digest}.jsonl",
+                       dead_letter_path=folder / f"fairgate-usage-dead-letters-{digest}.jsonl")
 
 
 def _read_at_scrape(metrics: GatewayMetrics, gw: Gateway, auth: Authenticator) -> None:

@@ -224,6 +224,7 @@ class RemoteBackend:
         self.max_model_len = config.max_model_len or default_max_model_len
         self.inflight = 0
         self.healthy = False
+        self._down_until = 0.0  # monotonic: not healthy again before this
         self.load: dict[str, Any] = {}
         self.poll_interval = poll_interval
         self.retry_after = retry_after
@@ -287,14 +288,17 @@ class RemoteBackend:
                 self.load = await self._get_json("/load")
                 self.max_model_len = int(self.config.max_model_len
                                          or self.load.get("max_model_len", self.max_model_len))
-            self.healthy = True
+            # A backend that timed out stays down for a while even when its web side answers:
+            # an engine whose executor hangs still serves /load.
+            self.healthy = time.monotonic() >= self._down_until
         except (UpstreamError, ValueError) as exc:
             self.mark_down(str(exc) or repr(exc))
         if self.on_change is not None:
             self.on_change()
 
-    def mark_down(self, reason: str) -> None:
-        """Unhealthy (no dispatch here) until a health check passes."""
+    def mark_down(self, reason: str, hold_s: float = 0.0) -> None:
+        """Unhealthy (no dispatch here) until a health check passes, and `hold_s` at least."""
+        self._down_until = max(self._down_until, time.monotonic() + hold_s)
         if self.healthy:
             log.warning("backend %s is down: %s", self.name, reason)
         self.healthy = False
@@ -380,7 +384,7 @@ class RemoteBackend:
     def _timed_out(self, exc: UpstreamTimeout) -> ApiError:
         """A backend that stopped answering answers no one: down until a health check
         passes, and this request fails (its connection is already closed)."""
-        self.mark_down(str(exc))
+        self.mark_down(str(exc), hold_s=self.retry_after)
         return ApiError(504, f"engine backend {self.name} timed out: {exc}",
                         code="backend_timeout")
 

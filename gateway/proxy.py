@@ -25,6 +25,7 @@ from protocol.sse import DONE
 
 log = logging.getLogger("fairgate.gateway")
 CLIENT_GONE = 499  # nginx's code for "client closed request", recorded in usage
+_ERROR_WRITE_S = 5.0  # the error event at the end of a broken stream, to a client that reads
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -112,21 +113,25 @@ async def _stream(request: web.Request, adm: Admission, backend: Backend,
             first = await anext(events, b"")
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
-        status = await _pump(resp, first, events, deadline, adm.gateway.config.request_timeout_s)
+        status = await _pump(request, resp, first, events, deadline,
+                             adm.gateway.config.request_timeout_s)
         adm.settle(status)
         return resp
     finally:
         await events.aclose()
 
 
-async def _pump(resp: web.StreamResponse, first: bytes, events: Any, deadline: float,
+async def _pump(request: web.Request, resp: web.StreamResponse, first: bytes, events: Any, deadline: float,
                 timeout_s: float) -> int:
-    """Write the stream; an error after the first byte travels as an SSE error event."""
+    """Write the stream; an error after the first byte travels as an SSE error event. The
+    deadline covers every write: a client that stops reading cannot hold its seat past it."""
     try:
         async with asyncio.timeout_at(deadline):
             await resp.write(first)
             async for chunk in events:
                 await resp.write(chunk)
+            await resp.write_eof()
+            return 200
     except (ApiError, BackendUnavailable, TimeoutError) as exc:
         if isinstance(exc, ApiError):
             err = exc
@@ -134,8 +139,18 @@ async def _pump(resp: web.StreamResponse, first: bytes, events: Any, deadline: f
             err = _request_timeout(timeout_s)
         else:
             err = ApiError(503, str(exc), code="backend_error")
-        await resp.write(error_event(err) + DONE)
-        await resp.write_eof()
+        await events.aclose()  # the engine's seat is free before the client hears why
+        try:
+            async with asyncio.timeout(_ERROR_WRITE_S):
+                await resp.write(error_event(err) + DONE)
+                await resp.write_eof()
+        except (TimeoutError, ConnectionError, asyncio.CancelledError):
+            # It will not read even this: hang up. (A write cut off by the deadline leaves
+            # aiohttp's drain waiter cancelled, so the next write raises CancelledError at once;
+            # a cancellation of this task itself still propagates.)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            if request.transport is not None:
+                request.transport.abort()
         return err.status
-    await resp.write_eof()
-    return 200

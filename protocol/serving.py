@@ -159,16 +159,24 @@ def serve(app: web.Application, host: str, port: int, *, extra: Sequence[Site] =
         loop.close()
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """A listening socket on every address `host` names (as aiohttp's TCPSite listens: a
+    "localhost" that is ::1 and 127.0.0.1 answers on both); one port for all of them."""
+    sockets: list[socket.socket] = []
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                    flags=socket.AI_PASSIVE)[0][0]  # an IPv6 host binds IPv6
-        sock = socket.create_server((host, port), family=family, backlog=128)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, _, _, _, address in dict.fromkeys(infos):
+            bound_port = sockets[0].getsockname()[1] if sockets else port  # port 0: the first's
+            sock = socket.create_server((address[0], bound_port), family=family, backlog=128,
+                                        dualstack_ipv6=False)
+            sock.setblocking(False)
+            sockets.append(sock)
     except OSError as exc:  # one line for the CLI: which address, and why
+        for sock in sockets:
+            sock.close()
         raise OSError(f"cannot listen on {host}:{port}: "
                       f"{(exc.strerror or str(exc)).lower()}") from None
-    sock.setblocking(False)
-    return sock
+    return sockets
 
 
 async def _serve(sites: list[Site], shutdown_timeout: float,
@@ -179,19 +187,21 @@ async def _serve(sites: list[Site], shutdown_timeout: float,
     sockets = [_bind(host, port) for _, host, port in sites]
     runners: list[web.AppRunner] = []
     try:
-        for i, ((app, _, _), sock) in enumerate(zip(sites, sockets, strict=True)):
+        for i, ((app, _, _), site_sockets) in enumerate(zip(sites, sockets, strict=True)):
             # Only the main application's runner handles signals; the others stop with it.
             runner = _Runner(app, handle_signals=i == 0, shutdown_timeout=shutdown_timeout,
                              **runner_kwargs)
             runners.append(runner)
             await runner.setup()
-            await web.SockSite(runner, sock).start()
+            for sock in site_sockets:
+                await web.SockSite(runner, sock).start()
         if on_listening is not None:
-            on_listening([(host, int(sock.getsockname()[1]))
-                          for (_, host, _), sock in zip(sites, sockets, strict=True)])
+            on_listening([(host, int(site_sockets[0].getsockname()[1]))
+                          for (_, host, _), site_sockets in zip(sites, sockets, strict=True)])
         await asyncio.Event().wait()  # until a signal raises GracefulExit
     finally:
         for started in reversed(runners):
             await started.cleanup()
-        for sock in sockets:
-            sock.close()
+        for site_sockets in sockets:
+            for sock in site_sockets:
+                sock.close()

@@ -34,6 +34,7 @@ _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncp
 _BUSY_TIMEOUT_S = 30.0
 _LOCK_RETRIES = 8
 _PG_CONNECT_TIMEOUT_S = 5.0
+_PG_COMMAND_TIMEOUT_S = 30.0  # longer than any query fairgate sends takes
 
 
 def normalize_url(url: str) -> str:
@@ -86,7 +87,10 @@ class Database:
             kwargs["pool_pre_ping"] = True
             # asyncpg waits 60 s for a connection by default: a partitioned database would hold
             # every caller that long before anyone hears it is unreachable
-            kwargs["connect_args"] = {"timeout": _PG_CONNECT_TIMEOUT_S}
+            # and a statement on a connection whose peer vanished (packets dropped, no reset)
+            # would wait for TCP to give up, a quarter of an hour
+            kwargs["connect_args"] = {"timeout": _PG_CONNECT_TIMEOUT_S,
+                                      "command_timeout": _PG_COMMAND_TIMEOUT_S}
         self.engine = create_async_engine(self.url, **kwargs)
         write_engine = self.engine
         if self.is_sqlite:

@@ -301,6 +301,11 @@ def _append_line(path: Path, line: str) -> None:
         f.write(line + "\n")
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 # -- the ledger ---------------------------------------------------------------------------------
 
 
@@ -324,6 +329,7 @@ class UsageLedger:
         self._wake = asyncio.Event()
         self._flush_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        self._shared: asyncio.Future[int] | None = None
         self._closed = False
         self.flushed = 0  # records written so far, for metrics and tests
         self.dead_lettered = 0  # records the database refused, set aside
@@ -361,6 +367,16 @@ class UsageLedger:
                 batch, self._pending = self._pending, []
                 written += await self._write_or_set_aside(batch)
             return written
+
+    def shared_flush(self) -> asyncio.Future[int]:
+        """A flush for callers that only need what was recorded before they asked (a usage
+        query): the one already running when there is one, so callers that give up on a
+        database gone silent leave one flush behind, not one each. Its failure is the
+        caller's to hear or not; it is never left unretrieved."""
+        if self._shared is None or self._shared.done():
+            self._shared = asyncio.ensure_future(self.flush())
+            self._shared.add_done_callback(_retrieved)
+        return self._shared
 
     async def _write_or_set_aside(self, batch: list[Row]) -> int:
         """Write `batch`, bisecting it to find and set aside the rows the database refuses.
@@ -452,19 +468,25 @@ class UsageLedger:
         trying for `timeout` seconds; then spill what is left to `spill_path` (the next `start`
         writes it); raises only when there is nowhere to keep it."""
         self._closed = True
-        if self._task is not None:
-            # Let the loop finish on its own: cancelling it mid-commit could leave a batch both
-            # written and back in the buffer, i.e. recorded twice.
-            self._wake.set()
-            await self._task
-            self._task = None
         loop = asyncio.get_running_loop()
         deadline, delay = loop.time() + timeout, 0.1
+        if self._task is not None:
+            # Let the loop finish on its own: cancelling it mid-commit could leave a batch both
+            # written and back in the buffer, i.e. recorded twice. Only a flush stuck past the
+            # whole timeout (a database gone silent) is cut off: its rows go back to the buffer.
+            self._wake.set()
+            done, _ = await asyncio.wait({self._task}, timeout=timeout)
+            if not done:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+            self._task = None
         while True:
             try:
-                await self.flush()
+                async with asyncio.timeout(max(deadline - loop.time(), 1.0)):
+                    await self.flush()
                 return
-            except Exception as exc:
+            except Exception as exc:  # TimeoutError included: a database gone silent
                 if loop.time() + delay > deadline:
                     if self.spill_path is None:
                         raise
@@ -487,16 +509,31 @@ class UsageLedger:
         self._pending = []
 
     async def _replay_spill(self) -> None:
-        """Rows an earlier shutdown could not write: written now, then the file is removed (a
-        crash between the two would write them twice; nothing is ever lost)."""
+        """Rows an earlier shutdown could not write: written now, then the file is removed. The
+        file is first renamed to this process's own name, so two gateways sharing it never
+        both write it; if the database fails midway, what is left goes back to the file and
+        the start fails (a crash between the write and the removal would write them twice;
+        nothing is ever lost)."""
         path = self.spill_path
-        if path is None or not path.exists():
+        if path is None:
+            return
+        mine = path.with_name(f"{path.name}.{os.getpid()}.replaying")
+        try:
+            path.rename(mine)
+        except FileNotFoundError:
             return
         rows = [normalise_row(json.loads(line)) for line in
-                path.read_text(encoding="ascii").splitlines() if line.strip()]
+                mine.read_text(encoding="ascii").splitlines() if line.strip()]
         async with self._flush_lock:
-            written = await self._write_or_set_aside(rows)
-        path.unlink()
+            try:
+                written = await self._write_or_set_aside(rows)
+            except BaseException:
+                left, self._pending = self._pending, []  # only this file's rows were pending
+                with path.open("a", encoding="ascii") as f:
+                    f.writelines(json.dumps(row) + "\n" for row in left)
+                mine.unlink()
+                raise
+        mine.unlink()
         log.info("wrote %d usage records kept from an earlier shutdown (%s)", written, path)
 
     # -- queries ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ affected entries at once. Changes made by another process show up within `cache_
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -33,7 +34,10 @@ from tenants.values import (
     TenantLimits,
     TenantNotFoundError,
     check_tenant_name,
+    stored,
 )
+
+log = logging.getLogger(__name__)
 
 _CACHE_MAX_ENTRIES = 10_000
 _LAST_USED_EVERY_S = 60.0  # write last_used_at at most this often per key (it costs a write)
@@ -41,18 +45,23 @@ _TENANT_FIELDS = frozenset(f.name for f in dataclasses.fields(TenantInfo)) - {"i
 
 
 def row_to_info(row: TenantRow) -> TenantInfo:
-    limits = TenantLimits(**{n: getattr(row, n) for n in TenantLimits.names()})
-    return TenantInfo(
+    limit_values = {n: getattr(row, n) for n in TenantLimits.names()}
+    values: dict[str, Any] = dict(
         id=row.id,
         name=row.name,
         weight=row.weight,
         default_priority=row.default_priority,
         allowed_priorities=tuple(row.allowed_priorities.split(",")),
-        limits=limits,
         slo_ttft_p99_s=row.slo_ttft_p99_s,
         slo_itl_p99_s=row.slo_itl_p99_s,
         enabled=row.enabled,
     )
+    try:
+        return TenantInfo(limits=TenantLimits(**limit_values), **values)
+    except TenantError as exc:  # written under older, looser rules: it loads as it is
+        log.warning("tenant row %d does not pass today's checks (%s); loaded as stored",
+                    row.id, exc)
+        return stored(TenantInfo, limits=stored(TenantLimits, **limit_values), **values)
 
 
 def info_to_row_values(info: TenantInfo) -> dict[str, Any]:

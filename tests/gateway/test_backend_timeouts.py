@@ -404,3 +404,24 @@ def test_a_stall_mid_body_closes_the_connection(
             await closed.wait()
 
     run_on(loop_factory, test)
+
+
+async def test_a_timed_out_engine_stays_down_while_its_web_side_still_answers(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str,
+        stoppable: StoppableEngine) -> None:
+    """An engine whose executor hangs still answers /load: after a timeout it stays out of
+    the pool for backend_retry_after_s, not until the next poll 20 ms later."""
+    hold = 1.0
+    h = await two_engines(aiohttp_client, aiohttp_server, db_url, stoppable,
+                          backend_retry_after_s=hold)
+    stoppable.answers.append(Answer(delay=30.0))  # generation stuck; /load still answers
+    resp, raw, _ = await timed_post(h, completion(stream=True))
+    assert resp.status == 504, raw
+    backend = stopped_backend(h)
+    down_at = time.monotonic()
+    sent = len(stoppable.connections)
+    for _ in range(3):  # requests meanwhile go to the other engine
+        assert (await h.post("acme", completion(max_tokens=2))).status == 200
+    assert not backend.healthy and len(stoppable.connections) == sent
+    await wait_for(lambda: backend.healthy, timeout=hold + 5)
+    assert time.monotonic() - down_at >= hold * 0.9

@@ -244,7 +244,7 @@ async def test_database_down_keeps_the_batch_until_it_is_back(store: TenantStore
         assert not tenants.ledger.is_refusal(failure.value)
         ledger.record(event(prompt_tokens=5))
         with pytest.raises((OSError, OperationalError)):
-            await ledger.close()  # shutdown says it could not write, and keeps the rows
+            await ledger.close(timeout=0.2)  # shutdown says it could not write, and keeps the rows
         assert ledger.pending == 7 and ledger.dead_lettered == 0 and ledger.flushed == 0
     finally:
         store.db = up
