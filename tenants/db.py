@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -34,6 +35,7 @@ _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncp
 _BUSY_TIMEOUT_S = 30.0
 _LOCK_RETRIES = 8
 _PG_CONNECT_TIMEOUT_S = 5.0
+_WAL_RETRIES = 20
 _PG_COMMAND_TIMEOUT_S = 30.0  # longer than any query fairgate sends takes
 
 
@@ -51,13 +53,29 @@ def normalize_url(url: str) -> str:
     return parsed.set(drivername=_ASYNC_DRIVERS[backend]).render_as_string(hide_password=False)
 
 
+def _switch_to_wal(cursor: Any) -> None:
+    """`PRAGMA journal_mode = WAL`, which SQLite answers "database is locked" at once (busy
+    timeout or not) while another process is switching the same new file or writing to it
+    in rollback mode; a few short retries outlast that."""
+    for attempt in range(_WAL_RETRIES):
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except Exception as exc:  # the driver's OperationalError, as the adapter re-raises it
+            if "locked" not in str(exc) or attempt == _WAL_RETRIES - 1:
+                raise
+            # A connect hook cannot await: this blocks, only while a new connection opens
+            # during another process's switch (a pool opens few), a few milliseconds at a time.
+            time.sleep(0.005 * (attempt + 1))
+
+
 def _install_sqlite_hooks(engine: AsyncEngine) -> None:
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # we send BEGIN ourselves, see module doc
         cursor = dbapi_connection.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {int(_BUSY_TIMEOUT_S * 1000)}")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        _switch_to_wal(cursor)
         cursor.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL is durable against app crashes
         cursor.execute("PRAGMA foreign_keys = ON")
         cursor.close()

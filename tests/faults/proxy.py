@@ -34,6 +34,7 @@ class TcpProxy:
         self.target = (target_host, target_port)
         self.forwarding = True
         self.holding = False  # while down: accept and keep new connections silent
+        self.dropping = False  # partitioned: open connections forward nothing, reset nothing
         self.accepted = 0  # connections forwarded so far
         self.refused = 0  # connections reset because the proxy was down
         self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
@@ -66,6 +67,12 @@ class TcpProxy:
     def up(self) -> None:
         self._call(self._up())
 
+    def partition(self) -> None:
+        """Every byte dropped from now on, on open connections too, with no reset: a database
+        behind a partition that the open connections learn of only by their timeouts. New
+        connections are held unanswered. `up()` ends it (the connections it stranded reset)."""
+        self._call(self._partition())
+
     def hang(self) -> None:
         """Cut every open connection and hold new ones open without answering (a database
         behind a network partition) until `up()`."""
@@ -82,8 +89,16 @@ class TcpProxy:
             _reset(upstream)
         self._pairs.clear()
 
+    async def _partition(self) -> None:
+        self.forwarding, self.holding, self.dropping = False, True, True
+
     async def _up(self) -> None:
-        self.forwarding, self.holding = True, False
+        if self.dropping:
+            for client, upstream in list(self._pairs):
+                _reset(client)
+                _reset(upstream)
+            self._pairs.clear()
+        self.forwarding, self.holding, self.dropping = True, False, False
         for writer in self._held:
             _reset(writer)
         self._held.clear()
@@ -93,6 +108,16 @@ class TcpProxy:
         await self._down(hold=False)
         assert self._server is not None
         self._server.close()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                if self.dropping:
+                    continue  # lost in the partition
+                writer.write(data)
+                await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self.forwarding:
@@ -111,17 +136,9 @@ class TcpProxy:
         pair = (writer, up_writer)
         self._pairs.add(pair)
         try:
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
         finally:
             self._pairs.discard(pair)
             writer.transport.abort()
             up_writer.transport.abort()
 
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(OSError):
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()

@@ -8,8 +8,10 @@ outage loses no usage."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -21,6 +23,8 @@ from tests.faults.clients import (
     completion,
     eventually,
     send,
+    unmatched,
+    usage_rows,
 )
 from tests.faults.cluster import Cluster, StartCluster
 from tests.faults.proxy import TcpProxy
@@ -184,3 +188,31 @@ async def test_sigterm_during_a_short_outage_loses_no_usage(
     pg_proxy.up()
     assert await c.gateway.exited(timeout=20) == 0, c.gateway.tail()
     await assert_usage_matches(database_url, seen, timeout=2)
+
+
+async def test_sigterm_during_a_partition_spills_and_loses_nothing(
+        cluster: StartCluster, session: aiohttp.ClientSession, pg_proxy: TcpProxy,
+        database_url: str, tmp_path: Path) -> None:
+    """The database gone silent (no reset: open connections learn of it only by timeouts) at
+    SIGTERM: the gateway still exits 0 within usage_shutdown_flush_s and a little more, and
+    every row is either in the database or in the spill file the next start writes."""
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    c = await cluster(settings={"usage_shutdown_flush_s": 2.0,
+                                "usage_spill_dir": str(spill_dir)})
+    seen = [await send(session, c.url, c.tenants["acme"], c.keys["acme"], completion(8))
+            for _ in range(2)]
+    pg_proxy.partition()
+    seen += [await send(session, c.url, c.tenants["acme"], c.keys["acme"], completion(8))
+             for _ in range(2)]  # cached keys still work; their rows wait in the buffer
+    assert all(s.ok for s in seen), seen
+    c.gateway.send(signal.SIGTERM)
+    assert await c.gateway.exited(timeout=20) == 0, c.gateway.tail()
+    pg_proxy.up()
+    spilled = [json.loads(line) for f in spill_dir.glob("fairgate-usage-spill-*.jsonl")
+               for line in f.read_text().splitlines()]
+    rows = await usage_rows(database_url, [c.tenants["acme"]])
+    rows += [(r["tenant"], r["status"], r["completion_tokens"]) for r in spilled]
+    missing, extra = unmatched(seen, rows)
+    assert not missing and not extra, (missing, extra, c.gateway.tail())
+    assert spilled, "the partition held some rows back: they are in the spill file"

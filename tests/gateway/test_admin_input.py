@@ -172,6 +172,8 @@ def admin_gateway(db_url: str) -> Any:
 
 def _names_a_field(param: str, body: dict[str, Any]) -> bool:
     given_ = {*body, *(ascii(k) for k in body)}
+    if param == "default_priority" and "allowed_priorities" in body:
+        return True  # the default, sent or not, is outside the allowed list that was sent
     return param == "name" or any(param == k or param.startswith(f"{k}.") for k in given_)
 
 

@@ -3,13 +3,27 @@ characters, too long) must not stop usage recording for anyone, through the real
 
 from __future__ import annotations
 
+import asyncio
+import http.client
+import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import select
 
+from gateway.app import make_app
+from gateway.config import GatewayConfig
 from tenants.models import UsageRow
-from tests.gateway.helpers import completion, start_gateway
+from tests.gateway.helpers import (
+    SIM_ENGINE,
+    ServerThread,
+    completion,
+    create_tenants,
+    start_gateway,
+)
 
 # The tenants tests' private PostgreSQL database (skipped, with the reason, when unreachable).
 from tests.tenants.conftest import (  # noqa: F401
@@ -53,3 +67,55 @@ async def test_poison_model_names_do_not_stop_usage(aiohttp_client: Any, any_db_
     assert resp.status == 200
     usage = await (await h.client.get("/v1/usage", headers=h.auth("acme"))).json()
     assert usage["requests"] == len(POISON_MODELS) + 4
+
+
+# ---- any value a client can put in a field that reaches the ledger ----------------------------
+awkward_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=400)
+field_values = awkward_text | st.integers(-(2**70), 2**70) | st.floats() | st.none() | \
+    st.booleans() | st.lists(st.integers(), max_size=3)
+
+
+@pytest.fixture
+def served(any_db_url: str) -> Iterator[tuple[ServerThread, str]]:
+    keys = asyncio.run(create_tenants(any_db_url, {"acme": {}}))
+    config = GatewayConfig(demo_tenant=False, metrics_port=None)
+    with ServerThread(make_app(config, engine=SIM_ENGINE, database=any_db_url)) as server:
+        yield server, keys["acme"]
+
+
+def _call(server: ServerThread, key: str, method: str, path: str,
+          body: bytes = b"") -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request(method, path, body=body or None,
+                     headers={"Authorization": f"Bearer {key}",
+                              "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(model=field_values, priority=field_values, user=field_values, raw_surrogate=st.booleans())
+def test_any_field_values_leave_usage_correct(served: tuple[ServerThread, str], model: Any,
+                                              priority: Any, user: Any,
+                                              raw_surrogate: bool) -> None:
+    """Random values (unencodable strings, NUL, huge and tiny numbers, long strings) in every
+    request field that reaches the ledger, one request each, then a normal one: every request
+    is in /v1/usage and the ledger keeps flushing."""
+    server, key = served
+    before = json.loads(_call(server, key, "GET", "/v1/usage")[1])["requests"]
+    body = json.dumps({"model": model, "priority": priority, "user": user, "prompt": "hi",
+                       "max_tokens": 2}, ensure_ascii=True).encode()
+    if raw_surrogate:  # the escape JSON allows and no database stores
+        body = body.replace(b'"prompt"', b'"m": "\\ud800", "prompt"', 1)
+    status, answer = _call(server, key, "POST", "/v1/completions", body)
+    assert status < 500, answer
+    status, answer = _call(server, key, "POST", "/v1/completions",
+                           json.dumps(completion()).encode())
+    assert status == 200, answer
+    status, answer = _call(server, key, "GET", "/v1/usage")
+    assert status == 200, answer
+    usage = json.loads(answer)
+    assert usage["requests"] == before + 2 and sum(usage["by_status"].values()) == before + 2
