@@ -15,6 +15,7 @@ from engine.kv_cache import KVCacheManager
 from engine.policies import FairShareQueue
 from engine.request import PRIORITIES, FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler
+from protocol.fairness import WEIGHT_RANGE
 
 logger = logging.getLogger("fairgate.engine")
 
@@ -34,13 +35,16 @@ class StepOutput:
 
 
 def _check_weight(weight: object) -> float:
-    """`weight` as a float; ValueError unless it is a finite number > 0."""
+    """`weight` as a float; ValueError unless it is a number within protocol.fairness'
+    WEIGHT_RANGE (the range the tenant store and the gateway hold weights to)."""
+    low, high = WEIGHT_RANGE
     try:
         value = float(weight) if isinstance(weight, (int, float)) else math.nan
     except OverflowError:  # an int too large for a float
         value = math.inf
-    if isinstance(weight, bool) or not 0 < value < math.inf:
-        raise ValueError(f"tenant weights must be finite numbers > 0, got {weight!r:.40}")
+    if isinstance(weight, bool) or not low <= value <= high:
+        raise ValueError(f"tenant weights must be numbers in [{low:g}, {high:g}], "
+                         f"got {weight!r:.40}")
     return value
 
 

@@ -24,6 +24,11 @@ from dataclasses import dataclass
 
 from protocol.validators import check_number
 
+# A tenant's weight divides its request costs and is summed over tenants: outside this range
+# the fair-share counters overflow to infinity or lose all precision. The tenant store, the
+# engine extension `tenant_weight` and the OpenAPI document all bound it here.
+WEIGHT_RANGE = (1e-6, 1e6)
+
 
 @dataclass(frozen=True)
 class VTCCost:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from protocol.errors import ApiError, bad_request
+from protocol.fairness import WEIGHT_RANGE
 from protocol.priority import PRIORITIES
 from protocol.sse import sse_json
 from protocol.validators import check_bool, check_int, check_number
@@ -118,9 +119,7 @@ MAX_TOKEN_ID = INT32_MAX  # every vocabulary is far smaller; the engine checks i
 # overflow in an int32 tensor or a database column downstream
 MAX_COUNT = INT32_MAX
 EMPTY: tuple[Any, ...] = (None, False, 0, "", [], {})  # leaves an unsupported feature unset
-# A tenant's weight, as tenants.values.WEIGHT_RANGE bounds it: beyond it the fair-share
-# counters overflow to infinity or lose all precision.
-TENANT_WEIGHT_RANGE = (1e-6, 1e6)
+TENANT_WEIGHT_RANGE = WEIGHT_RANGE  # protocol.fairness: where a weight keeps the counters sane
 
 
 @dataclass(frozen=True)

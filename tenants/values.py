@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
+from protocol.fairness import WEIGHT_RANGE
 from protocol.priority import PRIORITIES
 from protocol.validators import check_bool, check_known_keys, check_number, check_positive_int
 
@@ -24,9 +25,6 @@ NAME_RULE = "1-64 characters of letters, digits, '.', '_' or '-', starting with 
 # The limits' INTEGER columns: PostgreSQL's is 32-bit signed (SQLite's holds more; one bound for
 # both keeps a tenants file portable between them).
 INT_COLUMN_MAX = 2**31 - 1
-# Weights divide request costs and are summed over tenants; outside this range the fair-share
-# counters overflow to infinity or lose all precision.
-WEIGHT_RANGE = (1e-6, 1e6)
 
 
 def shown(value: object, limit: int = 80) -> str:
