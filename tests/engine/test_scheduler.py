@@ -202,5 +202,5 @@ def test_fair_share_weights_survive_reconfigure() -> None:
     engine.set_tenant_weights({"a": 3.0})
     engine.reconfigure(engine.config.replace(max_num_seqs=16))
     assert engine.scheduler.waiting.weights == {"a": 3.0}  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match="finite numbers > 0"):
+    with pytest.raises(ValueError, match=r"numbers in \[1e-06, 1e\+06\]"):
         engine.set_tenant_weights({"b": float("inf")})
