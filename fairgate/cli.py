@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tenants": ("fairgate.tenants_cli", "create, list, update, delete, import, export tenants"),
     "keys": ("fairgate.keys_cli", "create, list, revoke API keys"),
     "bench": ("tuner.bench_cli", "load test an OpenAI-compatible endpoint"),
+    "tune": ("fairgate.tune_cli", "search engine knobs with Optuna against p99 SLOs"),
 }
 
 

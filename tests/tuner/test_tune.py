@@ -1,0 +1,178 @@
+"""`fairgate tune --mode sim` end to end, in process (fairgate.cli.main), on a tiny workload."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+
+from fairgate.cli import main
+from fairgate.engine_cli import build_config
+from protocol.measures import SLO, RequestTiming, attainment
+from tuner.study import early_stop, optuna_storage_url, quantile_ci
+
+WORKLOAD = ["--workload", "uniform", "--rate", "10", "--duration", "4"]  # 36 requests
+SLOS = ["--slo-ttft-p99", "0.5", "--slo-itl-p99", "0.05"]
+
+
+def tune(tmp_path: Path, *extra: str, study: str = "s", space: str | None = None,
+         slos: list[str] = SLOS, workload: list[str] = WORKLOAD) -> int:
+    args = ["tune", "--mode", "sim", *workload, *slos, "--study", study,
+            "--storage", f"sqlite:///{tmp_path / 'studies.db'}", "--out", str(tmp_path / "out")]
+    if space is not None:
+        path = tmp_path / "space.yaml"
+        path.write_text(space)
+        args += ["--space", str(path)]
+    return main([*args, *extra])
+
+
+def read_trials(tmp_path: Path) -> list[dict[str, str]]:
+    with open(tmp_path / "out" / "trials.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_sim_study_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert tune(tmp_path, "--trials", "4") == 0
+    rows = read_trials(tmp_path)
+    assert [r["number"] for r in rows] == ["0", "1", "2", "3"]
+    default = rows[0]  # the base config, enqueued first
+    assert default["baseline"] == "True" and default["ran"] == "True"
+    assert (default["max_num_batched_tokens"], default["max_num_seqs"],
+            default["max_model_len"], default["memory_fraction"]) == ("2048", "64", "4096", "0.9")
+    assert default["infeasible"] == "" and float(default["goodput_rps"]) > 0
+    # best.yaml loads through `fairgate engine -c`'s own loader
+    best = build_config(str(tmp_path / "out" / "best.yaml"), [])
+    winner = next(r for r in rows if r["number"] == _best_number(tmp_path))
+    assert best.max_num_seqs == int(winner["max_num_seqs"])
+    assert best.max_num_batched_tokens == int(winner["max_num_batched_tokens"])
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Best vs default" in report and "p99 TTFT <= 500.0 ms" in report
+    err = capsys.readouterr().err
+    assert [line.split(" (")[0] for line in err.splitlines() if line.startswith("trial ")] == [
+        "trial 1/4", "trial 2/4", "trial 3/4", "trial 4/4"]
+    assert "best " in err.splitlines()[-2]
+
+
+def _best_number(tmp_path: Path) -> str:
+    header = (tmp_path / "out" / "best.yaml").read_text().splitlines()[0]
+    return header.split("trial #")[1]
+
+
+def test_infeasible_configs_are_recorded_not_run(tmp_path: Path) -> None:
+    space = "max_num_seqs: {low: 4096, high: 8192}\n"  # above the 2048-token budget
+    assert tune(tmp_path, "--trials", "3", space=space) == 0  # the default still qualifies
+    rows = read_trials(tmp_path)
+    assert rows[0]["ran"] == "True" and rows[0]["max_num_seqs"] == "64"
+    for row in rows[1:]:
+        assert row["ran"] == "False" and row["goodput_rps"] == "0"
+        assert row["infeasible"].startswith("not run: max_num_batched_tokens (2048) must be >=")
+
+
+def test_a_config_that_cannot_start_is_infeasible(tmp_path: Path) -> None:
+    space = "memory_fraction: {low: 0.05, high: 0.1}\n"  # less than llama-3-8b's weights on h100
+    assert tune(tmp_path, "--trials", "2", space=space) == 0
+    rows = read_trials(tmp_path)
+    assert rows[1]["ran"] == "False" and rows[1]["infeasible"].startswith("did not start:")
+
+
+def test_an_impossible_slo_leaves_every_trial_infeasible(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    slos = ["--slo-ttft-p99", "0.000001", "--slo-itl-p99", "0.05"]
+    workload = ["--workload", "uniform", "--rate", "20", "--duration", "4"]  # > 50: early stop
+    assert tune(tmp_path, "--trials", "2", slos=slos, workload=workload) == 1
+    rows = read_trials(tmp_path)
+    assert len(rows) == 2 and all(r["infeasible"] for r in rows)
+    assert all(r["infeasible"].startswith("stopped early:") for r in rows if r["ran"] == "True")
+    assert not (tmp_path / "out" / "best.yaml").exists()
+    assert "No trial met both SLOs" in (tmp_path / "out" / "report.md").read_text()
+    assert "no trial met both SLOs" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_study_resumes(tmp_path: Path) -> None:
+    assert tune(tmp_path, "--trials", "3", study="resume") == 0
+    assert tune(tmp_path, "--trials", "2", study="resume") == 0
+    rows = read_trials(tmp_path)
+    assert [r["number"] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert [r["baseline"] for r in rows].count("True") == 1
+    params = {(r["max_num_batched_tokens"], r["max_num_seqs"], r["max_model_len"],
+               r["memory_fraction"]) for r in rows}
+    assert len(params) == 5  # the resumed sampler did not replay the first run's samples
+
+
+def test_resuming_with_other_options_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert tune(tmp_path, "--trials", "1", study="fixed") == 0
+    capsys.readouterr()
+    slos = ["--slo-ttft-p99", "0.4", "--slo-itl-p99", "0.05"]
+    assert tune(tmp_path, "--trials", "1", study="fixed", slos=slos) == 2
+    assert "was made with a different slo" in capsys.readouterr().err
+
+
+BAD_INPUTS = [
+    (["--mode", "replay"], None, "--mode replay is not built yet"),
+    (["--mode", "simm"], None, "did you mean sim?"),
+    (["--objective", "pareto"], None, "--objective pareto is not built yet"),
+    (["--set", "max_num_seq=8"], None, "did you mean max_num_seqs?"),
+    (["--trials", "0"], None, "--trials must be a positive integer"),
+    ([], "max_num_seq: {low: 8, high: 64}\n", "did you mean max_num_seqs?"),
+    ([], "{}\n", "the search space is empty"),
+    ([], "max_num_seqs: {low: 64, high: 8}\n", "low (64) must be <= high (8)"),
+    ([], "policy: {low: 1, high: 2}\n", "give {choices: [...]}"),
+]
+
+
+@pytest.mark.parametrize(("extra", "space", "message"), BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], space: str | None,
+        message: str) -> None:
+    assert tune(tmp_path, *extra, space=space) == 2
+    _assert_one_line(tmp_path, capsys, message)
+
+
+@pytest.mark.parametrize(("slos", "workload", "message"), [
+    (["--slo-ttft-p99", "0", "--slo-itl-p99", "0.05"], WORKLOAD, "--slo-ttft-p99 must be > 0"),
+    (["--slo-ttft-p99", "0.5", "--slo-itl-p99", "-1"], WORKLOAD, "--slo-itl-p99 must be > 0"),
+    (["--slo-ttft-p99", "0.5"], WORKLOAD, "--slo-itl-p99 S is required"),
+    (SLOS, ["--trace", "missing.csv"], "missing.csv"),
+    (SLOS, [], "give the workload"),
+])
+def test_bad_slo_or_workload_is_one_line_and_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], slos: list[str],
+        workload: list[str], message: str) -> None:
+    assert tune(tmp_path, slos=slos, workload=workload) == 2
+    _assert_one_line(tmp_path, capsys, message)
+
+
+def _assert_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], message: str) -> None:
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("fairgate tune: error:") and message in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "studies.db").exists()
+
+
+def test_storage_url_for_optuna() -> None:
+    assert optuna_storage_url("sqlite+aiosqlite:///fairgate.db") == "sqlite:///fairgate.db"
+    assert optuna_storage_url("postgresql+asyncpg://u@h/db") == "postgresql://u@h/db"
+    assert optuna_storage_url("sqlite:///x.db") == "sqlite:///x.db"
+
+
+@pytest.mark.parametrize("n", [1, 7, 99, 100, 101, 250])
+def test_p99_meets_the_slo_exactly_when_attainment_does(n: int) -> None:
+    slo = 1.0
+    for misses in range(0, min(n, 5) + 1):
+        values = [0.5] * (n - misses) + [math.inf] * misses
+        p99, _ = quantile_ci(values, 0.99)
+        met = attainment(n - misses, n)["fraction"]
+        assert met is not None
+        assert (p99 <= slo) == (met >= 0.99), (n, misses)
+
+
+def test_early_stop_past_the_error_budget() -> None:
+    stop = early_stop(200, SLO(ttft_s=0.1, itl_s=0.1))
+    miss = RequestTiming(start=0.0, token_times=(), num_output_tokens=0, end=0.0, ok=False)
+    hit = RequestTiming(start=0.0, token_times=(0.01, 0.02), num_output_tokens=2, end=0.02)
+    assert stop([miss, miss, hit]) is None  # 2 of 200 is the 1% a p99 allows
+    reason = stop([miss, miss, miss])
+    assert reason is not None and "3 of 200 requests missed the TTFT SLO" in reason
