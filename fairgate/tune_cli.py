@@ -2,7 +2,8 @@
 
     fairgate tune --mode sim [-c fairgate.yaml] [--set KNOB=VALUE]
                   (--workload NAME | --trace FILE | --workload-file F) [--rate R] [--duration S]
-                  --slo-ttft-p99 S --slo-itl-p99 S [--space space.yaml]
+                  --slo-ttft-p99 S --slo-itl-p99 S [--objective goodput|capacity]
+                  [--space space.yaml]
                   [--trials N | --timeout S] [--study NAME] [--storage URL] [--out DIR] [--seed N]
 
 Every input is checked before the study opens or --out is touched; a mistake is one line and
@@ -30,6 +31,7 @@ from tuner.study import (
     check_mode,
     check_objective,
     run_study,
+    value_text,
 )
 from tuner.traces import TRACE_FORMATS
 from tuner.workload import WORKLOADS
@@ -62,7 +64,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-itl-p99", type=float, metavar="S",
                         help="p99 inter-token target (each request's TPOT), seconds")
     parser.add_argument("--objective", default="goodput", help=f"{' | '.join(OBJECTIVES)} "
-                                                               "(built: goodput)")
+                                                               "(built: goodput, capacity)")
     parser.add_argument("--space", metavar="FILE", help="YAML search space (default: the token "
                         "budget, max_num_seqs, max_model_len, memory_fraction)")
     budget = parser.add_mutually_exclusive_group()
@@ -121,6 +123,6 @@ def run(args: argparse.Namespace) -> int:
               f"{written}", file=sys.stderr)
         return 1
     best = outcome.best
-    print(f"fairgate tune: best trial #{best.number}: {best.goodput_rps:.4g} req/s with "
+    print(f"fairgate tune: best trial #{best.number}: {value_text(best)} with "
           f"{best.params}; wrote {written}", file=sys.stderr)
     return 0

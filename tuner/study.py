@@ -5,7 +5,11 @@ the mode's `TrialRunner` replays the workload under them, and the trial's pooled
 p99 ITL (each request's TPOT, the measure `SLO.itl_s` bounds) become Optuna constraints
 (`trial.set_constraint("p99_ttft" | "p99_itl", p99 - SLO)`, feasible when <= 0; the issue's
 `constraints_func` is deprecated since Optuna 5).
-The objective is goodput: requests/s that met both SLOs, maximised.
+The objective, maximised, is goodput (requests/s that met both SLOs at the workload's own rate)
+or capacity (`tuner.capacity`: the highest arrival rate at which both p99s hold, probed per
+trial by replaying the same requests time-compressed). For capacity the SLOs are inside the
+objective: a trial's constraints are its p99s at the capacity point (met by construction), and
+a config that misses them even at the lowest rate is infeasible like any other.
 
 How infeasible trials reach Optuna: a trial is never pruned. A config known to be impossible
 before running (an `EngineConfig` rule, the model's context length), or one the runner cannot
@@ -45,12 +49,15 @@ from optuna.trial import FrozenTrial, TrialState
 from engine.config import EngineConfig
 from protocol.measures import SLO, RequestTiming, error_budget, goodput
 from protocol.validators import check_choice, check_number
+from tuner.capacity import mean_rate, scale_arrivals, search_capacity
 from tuner.space import Space, build_config
 from tuner.traces import TraceRequest
 
 MODES = ("sim", "replay", "launch", "shadow")
 OBJECTIVES = ("goodput", "capacity", "pareto")
-BUILT_OBJECTIVES = ("goodput",)
+BUILT_OBJECTIVES = ("goodput", "capacity")
+OBJECTIVE_TEXT = {"goodput": "requests/s meeting both SLOs at the workload's own rate",
+                  "capacity": "the highest arrival rate, requests/s, at which both p99s hold"}
 VIOLATION_CAP = 1e6  # seconds: an infinite p99 (or a trial that never ran) as a finite violation
 BOOTSTRAP_RESAMPLES = 200
 CONSTRAINTS = ("p99_ttft", "p99_itl")  # p99 - SLO, seconds
@@ -153,6 +160,8 @@ class TuneSpec:
     def __post_init__(self) -> None:
         check_mode(self.mode)
         check_objective(self.objective)
+        if self.objective == "capacity" and self.requests:
+            mean_rate(self.requests)  # raises for a workload with no arrival span
         if self.slo.ttft_s is None or self.slo.itl_s is None:
             raise ValueError("both SLOs are needed: --slo-ttft-p99 S and --slo-itl-p99 S")
         if not self.requests:
@@ -264,8 +273,9 @@ class TrialRow:
     baseline: bool
     ran: bool
     measures: dict[str, Any] | None
-    goodput_rps: float | None
+    value: float | None  # the objective: goodput or capacity, requests/s
     infeasible: str | None
+    capacity: dict[str, Any] | None = None  # rate_rps, factor, probes, workload_rate_rps
 
     @property
     def feasible(self) -> bool:
@@ -276,8 +286,8 @@ class TrialRow:
         attrs = trial.user_attrs
         return cls(number=trial.number, state=trial.state.name, params=dict(trial.params),
                    baseline=attrs.get("baseline") == "default", ran=bool(attrs.get("ran")),
-                   measures=attrs.get("measures"), goodput_rps=trial.value,
-                   infeasible=attrs.get("infeasible"))
+                   measures=attrs.get("measures"), value=trial.value,
+                   infeasible=attrs.get("infeasible"), capacity=attrs.get("capacity"))
 
 
 @dataclass(frozen=True)
@@ -352,6 +362,7 @@ class _Evaluator:
     def __init__(self, spec: TuneSpec, runner: TrialRunner, prepared: EngineConfig) -> None:
         self.spec, self.runner, self.prepared = spec, runner, prepared
         self.stop = early_stop(len(spec.requests), spec.slo)
+        self.objective = {"goodput": self._goodput, "capacity": self._capacity}[spec.objective]
 
     def __call__(self, trial: optuna.Trial) -> float:
         params = self.spec.space.suggest(trial)
@@ -361,15 +372,54 @@ class _Evaluator:
         except ValueError as exc:
             return _not_run(trial, f"not run: {exc}")
         try:
-            run = self.runner.run(config, self.spec.requests, self.stop)
+            return self.objective(trial, config)
         except ValueError as exc:
             return _not_run(trial, f"did not start: {exc}")
-        measures = measure(run, len(self.spec.requests), self.spec.slo, self.spec.seed)
-        trial.set_user_attr("ran", True)
-        trial.set_user_attr("measures", _json_safe(dataclasses.asdict(measures)))
-        _set_constraints(trial, measures.violations(self.spec.slo))
-        trial.set_user_attr("infeasible", run.stopped or measures.missed(self.spec.slo))
+
+    def _replay(self, config: EngineConfig,
+                requests: Sequence[TraceRequest]) -> tuple[TrialMeasures, str | None]:
+        """The run's measures and why it missed the SLOs (None when it met both)."""
+        run = self.runner.run(config, requests, self.stop)
+        measures = measure(run, len(requests), self.spec.slo, self.spec.seed)
+        return measures, run.stopped or measures.missed(self.spec.slo)
+
+    def _goodput(self, trial: optuna.Trial, config: EngineConfig) -> float:
+        measures, missed = self._replay(config, self.spec.requests)
+        _record(trial, measures, self.spec.slo, missed)
         return measures.goodput_rps
+
+    def _capacity(self, trial: optuna.Trial, config: EngineConfig) -> float:
+        """The SLOs are inside the objective: a trial that holds at some rate is feasible."""
+        misses: list[tuple[TrialMeasures, str]] = []
+
+        def probe(factor: float) -> TrialMeasures | None:
+            measures, missed = self._replay(config, scale_arrivals(self.spec.requests, factor))
+            if missed is not None:
+                misses.append((measures, missed))
+                return None
+            return measures
+
+        search = search_capacity(probe)
+        workload_rate = mean_rate(self.spec.requests)
+        capacity = search.factor * workload_rate
+        trial.set_user_attr("capacity", {"rate_rps": capacity, "factor": search.factor,
+                                         "probes": len(search.probes),
+                                         "workload_rate_rps": workload_rate})
+        if search.at is None:
+            measures, missed = misses[-1]
+            lowest = search.probes[-1][0]
+            _record(trial, measures, self.spec.slo, f"misses the SLOs even at {lowest:.3g}x the "
+                    f"workload's rate ({lowest * workload_rate:.3g} req/s): {missed}")
+        else:
+            _record(trial, search.at, self.spec.slo, None)
+        return capacity
+
+
+def _record(trial: optuna.Trial, measures: TrialMeasures, slo: SLO, missed: str | None) -> None:
+    trial.set_user_attr("ran", True)
+    trial.set_user_attr("measures", _json_safe(dataclasses.asdict(measures)))
+    _set_constraints(trial, measures.violations(slo))
+    trial.set_user_attr("infeasible", missed)
 
 
 def _not_run(trial: optuna.Trial, reason: str) -> float:
@@ -396,8 +446,8 @@ def _json_safe(value: Any) -> Any:
 
 
 def best_row(rows: Sequence[TrialRow]) -> TrialRow | None:
-    feasible = [r for r in rows if r.feasible and r.goodput_rps is not None]
-    return max(feasible, key=lambda r: (r.goodput_rps, -r.number), default=None)
+    feasible = [r for r in rows if r.feasible and r.value is not None]
+    return max(feasible, key=lambda r: (r.value, -r.number), default=None)
 
 
 class _ProgressLine:
@@ -413,7 +463,7 @@ class _ProgressLine:
         rows = [TrialRow.of(t) for t in study.get_trials(deepcopy=False, states=(
             TrialState.COMPLETE,))]
         best = best_row(rows)
-        best_text = (f"best {best.goodput_rps:.3g} req/s (#{best.number})" if best is not None
+        best_text = (f"best {value_text(best)} (#{best.number})" if best is not None
                      else "no feasible trial yet")
         self.progress(f"trial {self.done}/{self.total} (#{trial.number}): "
                       f"{describe_result(TrialRow.of(trial))} | {best_text}")
@@ -425,9 +475,20 @@ def describe_result(row: TrialRow) -> str:
     if not row.ran:
         return f"infeasible ({row.infeasible})"
     m = row.measures or {}
-    text = (f"goodput {row.goodput_rps:.3g} req/s, p99 TTFT {_s(m.get('p99_ttft_s'))}, "
-            f"p99 ITL {_s(m.get('p99_itl_s'))}")
+    at = " at that rate" if row.capacity is not None else ""
+    text = (f"{value_text(row)}, p99 TTFT {_s(m.get('p99_ttft_s'))}, "
+            f"p99 ITL {_s(m.get('p99_itl_s'))}{at}")
     return text + (f", infeasible ({row.infeasible})" if row.infeasible else ", feasible")
+
+
+def value_text(row: TrialRow) -> str:
+    """The objective's value for people: 'goodput 9.2 req/s' or
+    'capacity 23.4 req/s (2.55x the workload's rate, 9 probes)'."""
+    value = row.value or 0.0
+    if row.capacity is None:
+        return f"goodput {value:.4g} req/s"
+    return (f"capacity {value:.4g} req/s ({row.capacity['factor']:.3g}x the workload's rate, "
+            f"{row.capacity['probes']} probes)")
 
 
 def _s(seconds: float | None) -> str:
@@ -469,13 +530,14 @@ def best_yaml(spec: TuneSpec, outcome: StudyOutcome) -> str:
     assert best is not None
     m = best.measures or {}
     header = (f"# fairgate tune --mode {spec.mode}: study {outcome.study_name}, trial "
-              f"#{best.number}\n# goodput {best.goodput_rps:.4g} req/s, p99 TTFT "
+              f"#{best.number}\n# {value_text(best)}, p99 TTFT "
               f"{_s(m.get('p99_ttft_s'))} (SLO {_s(spec.slo.ttft_s)}), p99 ITL "
               f"{_s(m.get('p99_itl_s'))} (SLO {_s(spec.slo.itl_s)})\n")
     body = yaml.safe_dump({"engine": engine_section(spec.base, best.params)}, sort_keys=False)
     return header + body
 
 
+CAPACITY_COLUMNS = ("factor", "probes")  # the rate factor at capacity, probes run to find it
 CSV_MEASURES = ("p99_ttft_s", "p99_ttft_ci", "p99_itl_s", "p99_itl_ci", "good_fraction",
                 "failed", "wall_s")
 
@@ -484,13 +546,16 @@ def trials_csv(spec: TuneSpec, rows: Sequence[TrialRow]) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     knobs = list(spec.space)
-    writer.writerow(["number", "state", "baseline", "ran", *knobs, "goodput_rps",
-                     *CSV_MEASURES, "infeasible"])
+    capacity = spec.objective == "capacity"
+    writer.writerow(["number", "state", "baseline", "ran", *knobs, f"{spec.objective}_rps",
+                     *(CAPACITY_COLUMNS if capacity else ()), *CSV_MEASURES, "infeasible"])
     for row in rows:
         m = row.measures or {}
         writer.writerow([row.number, row.state, row.baseline, row.ran,
                          *(row.params.get(k, "") for k in knobs),
-                         "" if row.goodput_rps is None else f"{row.goodput_rps:.6g}",
+                         "" if row.value is None else f"{row.value:.6g}",
+                         *(_cell((row.capacity or {}).get(name, "")) for name in
+                           (CAPACITY_COLUMNS if capacity else ())),
                          *(_cell(m.get(name)) for name in CSV_MEASURES), row.infeasible or ""])
     return out.getvalue()
 
@@ -505,9 +570,9 @@ def _cell(value: Any) -> str:
 
 def report_md(spec: TuneSpec, outcome: StudyOutcome, top: int = 10) -> str:
     rows = outcome.rows
-    feasible = sorted((r for r in rows if r.feasible), key=lambda r: -(r.goodput_rps or 0))
+    feasible = sorted((r for r in rows if r.feasible), key=lambda r: -(r.value or 0))
     lines = [f"# fairgate tune: study {outcome.study_name}", "",
-             f"- mode: {spec.mode}; objective: {spec.objective} (requests/s meeting both SLOs)",
+             f"- mode: {spec.mode}; objective: {spec.objective} ({OBJECTIVE_TEXT[spec.objective]})",
              f"- workload: {spec.workload} ({len(spec.requests)} requests over "
              f"{spec.requests[-1].arrival:.1f} s)",
              f"- SLOs: p99 TTFT <= {_s(spec.slo.ttft_s)}, p99 ITL (TPOT) <= {_s(spec.slo.itl_s)}",
@@ -533,13 +598,17 @@ def _best_vs_default(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
 
 def _table(spec: TuneSpec, rows: Sequence[TrialRow], names: Sequence[str] = ()) -> list[str]:
     knobs = list(spec.space)
-    cols = [*([""] if names else []), "trial", *knobs, "goodput req/s", "p99 TTFT (95% CI)", "p99 ITL (95% CI)", "result"]
+    extra = CAPACITY_COLUMNS[:1] if spec.objective == "capacity" else ()  # the rate factor
+    cols = [*([""] if names else []), "trial", *knobs, f"{spec.objective} req/s",
+            *(f"rate {name}" for name in extra), "p99 TTFT (95% CI)", "p99 ITL (95% CI)",
+            "result"]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for i, row in enumerate(rows):
         m = row.measures or {}
         label = [names[i]] if names else []
         cells = [*label, f"#{row.number}", *(str(row.params.get(k, "")) for k in knobs),
-                 f"{row.goodput_rps or 0:.4g}", _with_ci(m, "p99_ttft"), _with_ci(m, "p99_itl"),
+                 f"{row.value or 0:.4g}", *(_cell((row.capacity or {}).get(n)) for n in extra),
+                 _with_ci(m, "p99_ttft"), _with_ci(m, "p99_itl"),
                  "feasible" if row.feasible else (row.infeasible or row.state.lower())]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

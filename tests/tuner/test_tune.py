@@ -11,7 +11,12 @@ import pytest
 from fairgate.cli import main
 from fairgate.engine_cli import build_config
 from protocol.measures import SLO, RequestTiming, attainment
-from tuner.study import early_stop, optuna_storage_url, quantile_ci
+from tuner.capacity import mean_rate, scale_arrivals, search_capacity
+from tuner.simulate import simulate
+from tuner.space import build_config as build_space_config
+from tuner.study import SimRunner, early_stop, measure, optuna_storage_url, quantile_ci
+from tuner.traces import TraceRequest
+from tuner.workload import LoadShape, MixSpec, TenantMix, build_mix, get_workload
 
 WORKLOAD = ["--workload", "uniform", "--rate", "10", "--duration", "4"]  # 36 requests
 SLOS = ["--slo-ttft-p99", "0.5", "--slo-itl-p99", "0.05"]
@@ -176,3 +181,72 @@ def test_early_stop_past_the_error_budget() -> None:
     assert stop([miss, miss, hit]) is None  # 2 of 200 is the 1% a p99 allows
     reason = stop([miss, miss, miss])
     assert reason is not None and "3 of 200 requests missed the TTFT SLO" in reason
+
+
+# ----------------------------------------------------------------------------- capacity
+
+CAPACITY = ["--objective", "capacity"]
+
+
+def capacity_requests() -> list[TraceRequest]:
+    """The requests WORKLOAD makes (seed 0), for re-simulating a trial's capacity point."""
+    mix = MixSpec((TenantMix("default", get_workload("uniform")),),
+                  LoadShape(rate=10, duration=4))
+    return build_mix(mix)
+
+
+def test_capacity_is_higher_with_more_room_and_its_point_holds(tmp_path: Path) -> None:
+    space = "max_num_seqs: {low: 4, high: 4}\n"  # trial 0 is the default, max_num_seqs 64
+    assert tune(tmp_path, *CAPACITY, "--trials", "2", space=space) == 0
+    roomy, tight = read_trials(tmp_path)
+    assert (roomy["max_num_seqs"], tight["max_num_seqs"]) == ("64", "4")
+    assert roomy["infeasible"] == tight["infeasible"] == ""
+    assert float(tight["capacity_rps"]) < 0.7 * float(roomy["capacity_rps"])
+    requests = capacity_requests()
+    assert len(requests) == 36
+    assert float(roomy["capacity_rps"]) == pytest.approx(
+        float(roomy["factor"]) * mean_rate(requests), rel=1e-5)
+    config = build_space_config(SimRunner().prepare(build_config(None, [])),
+                                {"max_num_seqs": 4})
+    factor = float(tight["factor"])
+    slo = SLO(ttft_s=0.5, itl_s=0.05)
+    for scale, meets in ((factor, True), (factor * 1.2, False)):
+        run = simulate(config, scale_arrivals(requests, scale))
+        assert (measure(run, len(requests), slo).missed(slo) is None) is meets, scale
+
+
+def test_capacity_search_brackets_and_bisects() -> None:
+    probes: list[float] = []
+
+    def holds_below_3(factor: float) -> float | None:
+        probes.append(factor)
+        return factor if factor <= 3.0 else None
+
+    search = search_capacity(holds_below_3)
+    assert probes[:3] == [1.0, 2.0, 4.0]  # doubled up to the first failure
+    assert 3.0 / 1.05 <= search.factor <= 3.0 and search.at == search.factor
+    assert len(search.probes) <= 12
+    assert search_capacity(lambda f: None).factor == 0.0  # halves down to 1/64, never holds
+    assert min(f for f, _ in search_capacity(lambda f: None).probes) >= 1 / 64
+    with pytest.raises(ValueError, match="needs requests spread over time"):
+        mean_rate([TraceRequest(arrival=0.0, prompt_tokens=1, output_tokens=1)])
+
+
+def test_capacity_infeasible_when_even_the_lowest_rate_fails(tmp_path: Path) -> None:
+    slos = ["--slo-ttft-p99", "0.000001", "--slo-itl-p99", "0.05"]
+    assert tune(tmp_path, *CAPACITY, "--trials", "1", slos=slos) == 1
+    (row,) = read_trials(tmp_path)
+    assert row["ran"] == "True" and row["capacity_rps"] == "0" and row["factor"] == "0"
+    assert row["infeasible"].startswith("misses the SLOs even at 0.0156x")
+    assert not (tmp_path / "out" / "best.yaml").exists()
+
+
+def test_capacity_cli_end_to_end_and_resume_needs_the_same_objective(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert tune(tmp_path, *CAPACITY, "--trials", "3") == 0
+    header = (tmp_path / "out" / "best.yaml").read_text().splitlines()[1]
+    assert header.startswith("# capacity ") and "x the workload's rate" in header
+    assert "capacity req/s" in (tmp_path / "out" / "report.md").read_text()
+    assert "capacity " in capsys.readouterr().err.splitlines()[-1]
+    assert tune(tmp_path, "--trials", "1") == 2  # the same study as goodput
+    assert "was made with a different objective" in capsys.readouterr().err
