@@ -1,13 +1,17 @@
 """`fairgate tune`: search engine knobs with Optuna against p99 TTFT and ITL SLOs.
 
-    fairgate tune --mode sim [-c fairgate.yaml] [--set KNOB=VALUE]
+    fairgate tune --mode sim | replay --url URL | launch --command '...{port}...{knob}...'
+                  [--api-key KEY] [--launch-timeout S] [-c fairgate.yaml] [--set KNOB=VALUE]
                   (--workload NAME | --trace FILE | --workload-file F) [--rate R] [--duration S]
                   --slo-ttft-p99 S --slo-itl-p99 S [--objective goodput|capacity]
                   [--space space.yaml]
                   [--trials N | --timeout S] [--study NAME] [--storage URL] [--out DIR] [--seed N]
 
 Every input is checked before the study opens or --out is touched; a mistake is one line and
-exit status 2. Exit status 1: the study ran but no trial met both SLOs (no best.yaml).
+exit status 2 (for replay that includes an unreachable --url). Exit status 1: the study ran but
+no trial met both SLOs (no best.yaml). In launch mode a server that exits or never becomes
+healthy makes that trial infeasible and the study goes on; when it is the base config's trial,
+a line says so at the end.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from tuner.study import (
     MODES,
     OBJECTIVES,
     RUNNERS,
+    RunnerOptions,
     TuneSpec,
     check_mode,
     check_objective,
@@ -46,7 +51,19 @@ _BENCH_DEFAULTS = {"scale_tokens": 1.0, "max_prompt_tokens": None, "max_output_t
 def register(parser: argparse.ArgumentParser) -> None:
     parser.description = "Search engine knobs with Optuna against p99 TTFT and ITL SLOs."
     # a string, not choices=: an unbuilt mode gets its own one-line answer in run()
-    parser.add_argument("--mode", default="sim", help=f"{' | '.join(MODES)} (built: sim)")
+    parser.add_argument("--mode", default="sim", help=f"{' | '.join(MODES)} (built: "
+                        f"{', '.join(RUNNERS)}); sim: in process on a virtual clock; replay: "
+                        "reconfigure a running `fairgate engine` per trial; launch: start a "
+                        "server per trial from --command. replay and launch run in real time")
+    parser.add_argument("--url", help="replay: the running `fairgate engine` (http://host:port)")
+    # dest: `command` is the top-level parser's subcommand
+    parser.add_argument("--command", dest="launch_command", metavar="TEMPLATE",
+                        help="launch: the server command, split like a shell line (no shell); "
+                             "{port} is a free port, {max_num_seqs} etc. the trial's knobs")
+    parser.add_argument("--api-key", metavar="KEY", help="replay/launch: bearer key for the server")
+    parser.add_argument("--launch-timeout", type=float, default=RunnerOptions.launch_timeout_s,
+                        metavar="S", help="launch: seconds a server has to answer /health "
+                        f"(default {RunnerOptions.launch_timeout_s:g})")
     parser.add_argument("-c", "--config", metavar="FILE",
                         help="fairgate.yaml: its `engine` section is the base config, its "
                              "`database` the default study storage")
@@ -64,7 +81,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-itl-p99", type=float, metavar="S",
                         help="p99 inter-token target (each request's TPOT), seconds")
     parser.add_argument("--objective", default="goodput", help=f"{' | '.join(OBJECTIVES)} "
-                                                               "(built: goodput, capacity)")
+                        "(built: goodput, capacity; capacity in replay/launch mode is slow: "
+                        "each of its probes is a real-time replay of the workload)")
     parser.add_argument("--space", metavar="FILE", help="YAML search space (default: the token "
                         "budget, max_num_seqs, max_model_len, memory_fraction)")
     budget = parser.add_mutually_exclusive_group()
@@ -88,9 +106,10 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
     objective = check_objective(args.objective)
     slo = SLO(ttft_s=_slo("--slo-ttft-p99", args.slo_ttft_p99),
               itl_s=_slo("--slo-itl-p99", args.slo_itl_p99))
+    runner = runner_options(mode, args)
     base = build_config(args.config, args.overrides)
     space = load_space_file(args.space) if args.space else default_space(
-        base, RUNNERS[mode]().prepare(base))
+        base, RUNNERS[mode](runner).prepare(base))
     if not (args.workload or args.trace or args.workload_file):
         raise ValueError("give the workload: --workload NAME, --trace FILE or --workload-file F")
     requests = plan_requests(args)
@@ -101,7 +120,31 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
     return TuneSpec(mode=mode, base=base, space=space, requests=tuple(requests), slo=slo,
                     storage=storage, study_name=study, out_dir=Path(args.out or study),
                     objective=objective, trials=trials, timeout_s=args.timeout,
-                    seed=args.seed, workload=args.workload or args.trace or args.workload_file)
+                    seed=args.seed, workload=args.workload or args.trace or args.workload_file,
+                    runner=runner)
+
+
+def runner_options(mode: str, args: argparse.Namespace) -> RunnerOptions:
+    """The mode's own options, checked up front (a replay --url must answer)."""
+    from tuner.loadgen import Target
+    from tuner.remote import check_reachable, check_template
+
+    for flag, value, wanted in (("--url", args.url, "replay"),
+                                ("--command", args.launch_command, "launch")):
+        if value is not None and mode != wanted:
+            raise ValueError(f"{flag} is for --mode {wanted}, not --mode {mode}")
+    if mode == "replay":
+        if args.url is None:
+            raise ValueError("--mode replay needs --url URL of a running fairgate engine")
+        Target(args.url)  # the URL's form
+        check_reachable(args.url, args.api_key)
+    if mode == "launch":
+        if args.launch_command is None:
+            raise ValueError("--mode launch needs --command '... --port {port} ...'")
+        check_template(args.launch_command)
+    timeout = check_number("--launch-timeout", args.launch_timeout, low=0, open_low=True)
+    return RunnerOptions(url=args.url, command=args.launch_command, api_key=args.api_key,
+                         launch_timeout_s=timeout)
 
 
 def _slo(flag: str, value: float | None) -> float:
@@ -117,6 +160,10 @@ def run(args: argparse.Namespace) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own line per trial instead
     outcome = run_study(spec, progress=lambda line: print(line, file=sys.stderr, flush=True))
     written = ", ".join(str(p) for p in outcome.files)
+    default = outcome.default
+    if spec.mode == "launch" and default is not None and not default.ran:
+        print(f"fairgate tune: the base config's trial #{default.number} got no server to "
+              f"measure ({default.infeasible})", file=sys.stderr)
     if outcome.best is None:
         print(f"fairgate tune: no trial met both SLOs (p99 TTFT <= {spec.slo.ttft_s:g} s, "
               f"p99 ITL <= {spec.slo.itl_s:g} s) in {len(outcome.rows)} trials; wrote "

@@ -23,7 +23,8 @@ infinite TTFT and TPOT: then "p99 <= SLO" holds exactly when at least 99% of the
 it, protocol.measures' SLO attainment definition (linear interpolation would let one failed
 request in a hundred make the p99 infinite).
 
-Modes: `RUNNERS` holds what is built (`sim`); replay, launch and shadow runners implement the
+Modes: `RUNNERS` holds what is built: `sim` here, `replay` and `launch` in `tuner.remote` (real
+time, over HTTP; their early stop is applied after the run); a shadow runner implements the
 same `TrialRunner` protocol.
 """
 
@@ -93,10 +94,25 @@ class TrialRunner(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class RunnerOptions:
+    """What the HTTP runners need beyond the config: the engine's --url (replay), the server
+    --command template (launch), an API key, and the space's knobs (what replay reconfigures)."""
+
+    url: str | None = None
+    command: str | None = None
+    api_key: str | None = None
+    launch_timeout_s: float = 120.0
+    knobs: tuple[str, ...] = ()
+
+
 class SimRunner:
     """In process, on the simulated executor's virtual clock (`tuner.simulate`). The user's
     executor is kept in best.yaml; trials simulate `sim_model` on `sim_hardware`. No trial
     runs more than SIM_TRIAL_WALL_S of real time (one that does is infeasible, with why)."""
+
+    def __init__(self, options: RunnerOptions | None = None) -> None:
+        del options  # everything sim needs is in the config
 
     def prepare(self, config: EngineConfig) -> EngineConfig:
         return config.replace(executor="sim", sim_clock="virtual")
@@ -109,7 +125,26 @@ class SimRunner:
 
 
 SIM_TRIAL_WALL_S = 300.0  # a 2,000-request trial takes about a second
-RUNNERS: dict[str, Callable[[], TrialRunner]] = {"sim": SimRunner}
+
+
+def _replay_runner(options: RunnerOptions) -> TrialRunner:
+    from tuner.remote import ReplayRunner
+
+    if options.url is None:
+        raise ValueError("--mode replay needs --url URL of a running fairgate engine")
+    return ReplayRunner(options.url, options.api_key, options.knobs)
+
+
+def _launch_runner(options: RunnerOptions) -> TrialRunner:
+    from tuner.remote import LaunchRunner
+
+    if options.command is None:
+        raise ValueError("--mode launch needs --command '... --port {port} ...'")
+    return LaunchRunner(options.command, options.api_key, options.launch_timeout_s)
+
+
+RUNNERS: dict[str, Callable[[RunnerOptions], TrialRunner]] = {
+    "sim": SimRunner, "replay": _replay_runner, "launch": _launch_runner}
 
 
 def check_mode(mode: str) -> str:
@@ -156,6 +191,7 @@ class TuneSpec:
     timeout_s: float | None = None
     seed: int = 0
     workload: str = ""  # how the requests were made, for the report
+    runner: RunnerOptions = RunnerOptions()
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -305,7 +341,7 @@ Progress = Callable[[str], None]
 def run_study(spec: TuneSpec, progress: Progress | None = None) -> StudyOutcome:
     """Run `spec.trials` more trials (or until `spec.timeout_s`) of the study named in `spec`,
     creating it or resuming it, then write best.yaml, trials.csv and report.md."""
-    runner = RUNNERS[spec.mode]()
+    runner = RUNNERS[spec.mode](dataclasses.replace(spec.runner, knobs=tuple(spec.space)))
     prepared = runner.prepare(spec.base)
     study = _open_study(spec, prepared)
     if progress is not None:

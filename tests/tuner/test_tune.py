@@ -116,7 +116,7 @@ def test_resuming_with_other_options_is_refused(
 
 
 BAD_INPUTS = [
-    (["--mode", "replay"], None, "--mode replay is not built yet"),
+    (["--mode", "shadow"], None, "--mode shadow is not built yet"),
     (["--mode", "simm"], None, "did you mean sim?"),
     (["--objective", "pareto"], None, "--objective pareto is not built yet"),
     (["--set", "max_num_seq=8"], None, "did you mean max_num_seqs?"),

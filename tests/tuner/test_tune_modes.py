@@ -1,0 +1,160 @@
+"""`fairgate tune --mode replay | launch` end to end against real `fairgate engine` subprocesses
+(simulated executor on the real-time clock), in process through fairgate.cli.main."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.config import EngineConfig
+from fairgate.cli import main
+from tests.support.processes import wait_for_output
+from tuner.remote import check_template, fill_template, free_port, timing_of
+from tuner.report import RequestResult
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKLOAD = ["--workload", "uniform", "--rate", "10", "--duration", "1"]
+SLOS = ["--slo-ttft-p99", "2", "--slo-itl-p99", "0.5"]
+SPACE = "max_num_seqs: {low: 2, high: 64, log: true}\n"
+ENGINE = ["-m", "fairgate", "engine", "--set", "executor=sim", "--set", "sim_clock=realtime"]
+
+
+@pytest.fixture
+def engine_url() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, *ENGINE, "--port", str(port)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for_output(proc, b"serving ")  # logged once the port is open
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture
+def importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launched servers find fairgate from any working directory."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+
+
+def tune(tmp_path: Path, *mode: str, trials: int = 2) -> int:
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    return main(["tune", *mode, *WORKLOAD, *SLOS, "--space", str(space), "--trials",
+                 str(trials), "--storage", f"sqlite:///{tmp_path / 'studies.db'}",
+                 "--study", "s", "--out", str(tmp_path / "out")])
+
+
+def read_trials(tmp_path: Path) -> list[dict[str, str]]:
+    with open(tmp_path / "out" / "trials.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def engine_load(url: str) -> dict[str, object]:
+    with urllib.request.urlopen(f"{url}/load", timeout=5) as resp:
+        loaded: dict[str, object] = json.load(resp)
+    return loaded
+
+
+def test_replay_reconfigures_the_engine_per_trial(tmp_path: Path, engine_url: str) -> None:
+    assert tune(tmp_path, "--mode", "replay", "--url", engine_url) == 0
+    rows = read_trials(tmp_path)
+    assert [r["ran"] for r in rows] == ["True", "True"]
+    assert all(r["infeasible"] == "" for r in rows)
+    seqs = [int(r["max_num_seqs"]) for r in rows]
+    assert seqs[0] != seqs[1]
+    assert engine_load(engine_url)["max_num_seqs"] == seqs[1]  # the last trial's knobs hold
+    best = yaml.safe_load((tmp_path / "out" / "best.yaml").read_text())
+    assert best["engine"]["max_num_seqs"] in seqs
+
+
+def test_replay_records_a_refused_knob_as_infeasible(tmp_path: Path, engine_url: str) -> None:
+    """The engine runs llama-3-8b (the default sim_model); the base trial asks for tiny."""
+    space = tmp_path / "space.yaml"
+    space.write_text("sim_model: {choices: [tiny, llama-3-8b]}\n")
+    code = main(["tune", "--mode", "replay", "--url", engine_url, "--set", "sim_model=tiny",
+                 *WORKLOAD, *SLOS, "--space", str(space), "--trials", "1", "--storage",
+                 f"sqlite:///{tmp_path / 'studies.db'}", "--out", str(tmp_path / "out")])
+    assert code == 1
+    [row] = read_trials(tmp_path)
+    assert row["ran"] == "False" and "cannot change sim_model without a restart" in (
+        row["infeasible"])
+
+
+@pytest.mark.usefixtures("importable")
+def test_launch_starts_a_server_per_trial(tmp_path: Path) -> None:
+    command = shlex.join([sys.executable, *ENGINE, "--port", "{port}",
+                          "--set", "max_num_seqs={max_num_seqs}"])
+    assert tune(tmp_path, "--mode", "launch", "--command", command) == 0
+    rows = read_trials(tmp_path)
+    assert [r["ran"] for r in rows] == ["True", "True"]
+    assert int(rows[0]["max_num_seqs"]) != int(rows[1]["max_num_seqs"])
+    assert (tmp_path / "out" / "best.yaml").exists()
+
+
+def test_launch_command_that_exits_is_an_infeasible_trial(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    command = shlex.join([sys.executable, "-c",
+                          "import sys; print('no GPU for {max_num_seqs}'); sys.exit(3)"])
+    assert tune(tmp_path, "--mode", "launch", "--command", command) == 1  # no feasible trial
+    rows = read_trials(tmp_path)
+    assert len(rows) == 2 and all(r["ran"] == "False" for r in rows)  # the study went on
+    assert "exited with status 3: no GPU for" in rows[0]["infeasible"]
+    err = capsys.readouterr().err
+    assert "the base config's trial #0 got no server" in err
+    assert not (tmp_path / "out" / "best.yaml").exists()
+
+
+@pytest.mark.parametrize(("mode", "message"), [
+    (["--mode", "replay"], "--mode replay needs --url"),
+    (["--mode", "launch"], "--mode launch needs --command"),
+    (["--mode", "launch", "--command", "serve --port {port} --set x={bogus}"],
+     "unknown placeholder {bogus}"),
+    (["--mode", "replay", "--url", f"http://127.0.0.1:{free_port()}"], "cannot reach --url"),
+    (["--mode", "sim", "--url", "http://127.0.0.1:1"], "--url is for --mode replay"),
+    (["--mode", "launch", "--command", "x {port}", "--launch-timeout", "0"], "--launch-timeout"),
+])
+def test_bad_mode_options_are_one_line_and_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str],
+        message: str) -> None:
+    assert tune(tmp_path, *mode) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fairgate tune: error:") and message in err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_template_fills_knobs_as_yaml_scalars() -> None:
+    argv = check_template("serve --port {port} --set 'max_model_len={max_model_len}' "
+                          "--set enable_prefix_caching={enable_prefix_caching}")
+    config = EngineConfig(max_model_len=None, enable_prefix_caching=False)
+    assert fill_template(argv, config, 8123) == [
+        "serve", "--port", "8123", "--set", "max_model_len=null",
+        "--set", "enable_prefix_caching=false"]
+
+
+def test_load_generator_results_become_request_timings() -> None:
+    ok = RequestResult(0, "t", None, 0.0, start=1.0, output_tokens=3, ttft=0.5, e2e=0.9,
+                       itl=[0.2, 0.2])
+    failed = RequestResult(1, "t", None, 0.0, start=2.0, status="HTTP 503")
+    good, bad = timing_of(ok), timing_of(failed)
+    assert good.ok and good.ttft == pytest.approx(0.5) and good.end == pytest.approx(1.9)
+    assert good.tpot == pytest.approx(0.2)
+    assert not bad.ok and bad.ttft is None
