@@ -3,10 +3,11 @@
     fairgate tune --mode sim | replay --url URL | launch --command '...{port}...{knob}...'
                   [--api-key KEY] [--launch-timeout S] [-c fairgate.yaml] [--set KNOB=VALUE]
                   (--workload NAME | --trace FILE | --workload-file F) [--rate R] [--duration S]
-                  --slo-ttft-p99 S --slo-itl-p99 S [--objective goodput|capacity]
+                  [--slo-ttft-p99 S] [--slo-itl-p99 S] [--objective goodput|capacity]
                   [--space space.yaml]
                   [--trials N | --timeout S] [--study NAME] [--storage URL] [--out DIR] [--seed N]
 
+An SLO not given is the strictest one an enabled tenant in the database sets (said on stderr).
 Every input is checked before the study opens or --out is touched; a mistake is one line and
 exit status 2 (for replay that includes an unreachable --url). Exit status 1: the study ran but
 no trial met both SLOs (no best.yaml). In launch mode a server that exits or never becomes
@@ -20,6 +21,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from fairgate.config import database_url, load_config_file
 from fairgate.engine_cli import build_config
@@ -77,9 +79,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-format", choices=TRACE_FORMATS, default="auto")
     parser.add_argument("--rate", type=float, metavar="R", help="requests/s (traces: rescales time)")
     parser.add_argument("--duration", type=float, metavar="S", help="seconds of workload (default 60)")
-    parser.add_argument("--slo-ttft-p99", type=float, metavar="S", help="p99 TTFT target, seconds")
+    parser.add_argument("--slo-ttft-p99", type=float, metavar="S",
+                        help="p99 TTFT target, seconds (default: the strictest an enabled "
+                        "tenant of the database sets)")
     parser.add_argument("--slo-itl-p99", type=float, metavar="S",
-                        help="p99 inter-token target (each request's TPOT), seconds")
+                        help="p99 inter-token target (each request's TPOT), seconds (default: "
+                        "the strictest tenant's)")
     parser.add_argument("--objective", default="goodput", help=f"{' | '.join(OBJECTIVES)} "
                         "(built: goodput, capacity; capacity in replay/launch mode is slow: "
                         "each of its probes is a real-time replay of the workload)")
@@ -104,8 +109,10 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
     """Every option checked, in the order a user reads them; ValueError for the first mistake."""
     mode = check_mode(args.mode)
     objective = check_objective(args.objective)
-    slo = SLO(ttft_s=_slo("--slo-ttft-p99", args.slo_ttft_p99),
-              itl_s=_slo("--slo-itl-p99", args.slo_itl_p99))
+    defaults = tenant_slos(database_url(load_config_file(args.config))) if (
+        args.slo_ttft_p99 is None or args.slo_itl_p99 is None) else {}
+    slo = SLO(ttft_s=_slo("--slo-ttft-p99", args.slo_ttft_p99, defaults.get("ttft")),
+              itl_s=_slo("--slo-itl-p99", args.slo_itl_p99, defaults.get("itl")))
     runner = runner_options(mode, args)
     base = build_config(args.config, args.overrides)
     space = load_space_file(args.space) if args.space else default_space(
@@ -147,10 +154,49 @@ def runner_options(mode: str, args: argparse.Namespace) -> RunnerOptions:
                          launch_timeout_s=timeout)
 
 
-def _slo(flag: str, value: float | None) -> float:
+def _slo(flag: str, value: float | None, from_tenants: tuple[float, str] | None) -> float:
     if value is None:
-        raise ValueError(f"{flag} S is required (seconds)")
+        if from_tenants is None:
+            raise ValueError(f"{flag} S is required (seconds): no tenant in the database sets "
+                             "that SLO")
+        value, tenant = from_tenants
+        print(f"fairgate tune: {flag} {value:g} s, the strictest tenant SLO ({tenant})",
+              file=sys.stderr)
     return check_number(flag, value, low=0, open_low=True)
+
+
+def tenant_slos(url: str) -> dict[str, tuple[float, str]]:
+    """{"ttft"|"itl": (the strictest p99 target any enabled tenant sets, its tenant)}; empty
+    when the database does not exist yet or holds no tenants (it is never created here)."""
+    import asyncio
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from tenants import TenantStore
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").is_file():
+        return {}
+
+    async def read() -> list[Any]:
+        store = TenantStore(url)
+        try:
+            return await store.list_tenants()
+        finally:
+            await store.close()
+
+    try:
+        tenants = asyncio.run(read())
+    except (SQLAlchemyError, OSError):  # no schema yet, or a server that does not answer
+        return {}
+    found: dict[str, tuple[float, str]] = {}
+    for tenant in tenants:
+        for measure, target in (("ttft", tenant.slo_ttft_p99_s), ("itl", tenant.slo_itl_p99_s)):
+            if tenant.enabled and target is not None and (
+                    measure not in found or target < found[measure][0]):
+                found[measure] = (target, tenant.name)
+    return found
 
 
 def run(args: argparse.Namespace) -> int:

@@ -250,3 +250,30 @@ def test_capacity_cli_end_to_end_and_resume_needs_the_same_objective(
     assert "capacity " in capsys.readouterr().err.splitlines()[-1]
     assert tune(tmp_path, "--trials", "1") == 2  # the same study as goodput
     assert "was made with a different objective" in capsys.readouterr().err
+
+
+def test_slos_not_given_are_the_strictest_enabled_tenants(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import asyncio
+
+    from tenants import TenantStore
+
+    db = f"sqlite:///{tmp_path / 'tenants.db'}"
+
+    async def create() -> None:
+        store = TenantStore(db)
+        await store.init()
+        await store.create_tenant("loose", slo_ttft_p99_s=0.8, slo_itl_p99_s=0.06)
+        await store.create_tenant("strict", slo_ttft_p99_s=0.5)
+        await store.create_tenant("off", slo_ttft_p99_s=0.01, slo_itl_p99_s=0.001,
+                                  enabled=False)  # disabled: not served, not a target
+        await store.close()
+
+    asyncio.run(create())
+    config = tmp_path / "fairgate.yaml"
+    config.write_text(f"database: {db}\n")
+    assert tune(tmp_path, "--trials", "2", "-c", str(config), slos=[]) == 0
+    err = capsys.readouterr().err
+    assert "--slo-ttft-p99 0.5 s, the strictest tenant SLO (strict)" in err
+    assert "--slo-itl-p99 0.06 s, the strictest tenant SLO (loose)" in err
+    assert "p99 TTFT <= 500.0 ms" in (tmp_path / "out" / "report.md").read_text()
