@@ -170,7 +170,16 @@ def optuna_storage_url(url: str) -> str:
         raise ValueError(f"--storage must be a database URL (sqlite:///tune.db, "
                          f"postgresql://user@host/db), got {url!r}")
     dialect, _, driver = scheme.partition("+")
-    return f"{ASYNC_DRIVERS[driver]}://{rest}" if driver in ASYNC_DRIVERS else url
+    sync = f"{ASYNC_DRIVERS[driver]}://{rest}" if driver in ASYNC_DRIVERS else url
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        make_url(sync).get_dialect()  # a scheme SQLAlchemy has no dialect for fails here
+    except (ArgumentError, NoSuchModuleError):
+        raise ValueError(f"--storage {url!r} is not a database URL SQLAlchemy knows "
+                         "(sqlite:///tune.db, postgresql://user@host/db)") from None
+    return sync
 
 
 # ----------------------------------------------------------------------------- the spec

@@ -277,3 +277,15 @@ def test_slos_not_given_are_the_strictest_enabled_tenants(
     assert "--slo-ttft-p99 0.5 s, the strictest tenant SLO (strict)" in err
     assert "--slo-itl-p99 0.06 s, the strictest tenant SLO (loose)" in err
     assert "p99 TTFT <= 500.0 ms" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_storage_url_of_no_known_database_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="not a database URL SQLAlchemy knows"):
+        optuna_storage_url("nonsense://x")
+    args = ["tune", "--mode", "sim", *WORKLOAD, *SLOS, "--storage", "nonsense://x",
+            "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "nonsense://x" in err, err
+    assert not (tmp_path / "out").exists()
