@@ -12,7 +12,6 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +19,7 @@ import aiohttp
 import asyncpg
 
 from tests.faults.cluster import STREAM_TOKENS
+from tests.support.waiting import wait_until
 
 # Turned away before the key was known: no tenant, so no usage row.
 UNRECORDED_CODES = ("auth_unavailable", "invalid_api_key", "missing_api_key")
@@ -146,16 +146,6 @@ async def usage_rows(database_url: str, tenants: list[str]) -> list[tuple[str, i
     return [(r["tenant"], r["status"], r["completion_tokens"]) for r in rows]
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float,
-                     what: str) -> None:
-    """Wait until `await check()` holds, with a deadline (a condition, not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still not true after {timeout} s: {what}")
-        await asyncio.sleep(0.02)
-
-
 async def flushed_rows(database_url: str, seen: list[Seen],
                        timeout: float = 15.0) -> list[tuple[str, int, int]]:
     """The rows of `seen`'s tenants once there are at least as many as recorded requests
@@ -169,7 +159,7 @@ async def flushed_rows(database_url: str, seen: list[Seen],
         rows = await usage_rows(database_url, tenants)
         return len(rows) >= want
 
-    await eventually(enough, timeout, f"{want} usage rows for {tenants} (have {len(rows)})")
+    await wait_until(enough, timeout, f"{want} usage rows for {tenants} (have {len(rows)})")
     return rows
 
 

@@ -10,8 +10,6 @@ unreachable.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,42 +20,14 @@ import pytest
 
 from tests.faults.cluster import Cluster, Fleet, StartCluster, leaked, start_cluster, stop_all
 from tests.faults.proxy import TcpProxy
-
-# The same variable as tests/tenants: user@host:port of a PostgreSQL with trust auth.
-PG_SERVER = os.environ.get("FAIRGATE_TEST_PG", "postgres@127.0.0.1:5432")
-PG_USER, _, _where = PG_SERVER.rpartition("@")
-PG_HOST, _, _port = _where.partition(":")
-PG_PORT = int(_port or 5432)
-
-
-def _run(coro: Any) -> Any:
-    # A private loop: asyncio.run() would clobber the loop pytest-asyncio manages.
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
-
-
-async def _pg_exec(sql: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(f"postgresql://{PG_USER}@{PG_HOST}:{PG_PORT}/postgres",
-                                 timeout=3)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
+from tests.support import postgres
+from tests.support.postgres import PG_HOST, PG_PORT, PG_USER
 
 
 @pytest.fixture(scope="session")
 def postgres_unreachable() -> str | None:
-    try:
-        _run(_pg_exec("SELECT 1"))
-    except Exception as exc:  # any failure means "cannot test against it here"
-        return (f"PostgreSQL at {PG_SERVER} is unreachable "
-                f"({type(exc).__name__}: {exc}); the fault suite needs it")
-    return None
+    reason = postgres.unreachable()
+    return None if reason is None else f"{reason}; the fault suite needs it"
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +35,8 @@ def database(postgres_unreachable: str | None) -> Iterator[str]:
     """A fresh database for this module (and this xdist worker), dropped at the end."""
     if postgres_unreachable:
         pytest.skip(postgres_unreachable)
-    name = f"fg_faults_{uuid.uuid4().hex[:12]}"
-    _run(_pg_exec(f'CREATE DATABASE "{name}"'))
-    try:
+    with postgres.fresh_database("fg_faults") as name:
         yield name
-    finally:
-        _run(_pg_exec(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture

@@ -21,13 +21,13 @@ from tests.faults.clients import (
     assert_usage_matches,
     check_clean,
     completion,
-    eventually,
     send,
     unmatched,
     usage_rows,
 )
 from tests.faults.cluster import Cluster, StartCluster
 from tests.faults.proxy import TcpProxy
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.postgres
 KEY_CACHE_TTL_S = 5.0  # TenantStore's cache of authenticated keys (tenants.store)
@@ -55,7 +55,7 @@ class Traffic:
         async def reached() -> bool:
             return self.ok_count() >= target
 
-        await eventually(reached, 10, f"{n} more successful requests {what}")
+        await wait_until(reached, 10, f"{n} more successful requests {what}")
 
     async def stop(self) -> list[Seen]:
         self._stopping.set()
@@ -87,7 +87,7 @@ async def test_outage_keeps_cached_keys_working_and_loses_no_usage(
     async def retried() -> bool:  # the usage flusher (every 1 s) found the database away
         return pg_proxy.refused > refused
 
-    await eventually(retried, 5, "the gateway tries the database during the outage")
+    await wait_until(retried, 5, "the gateway tries the database during the outage")
     await traffic.more_ok(5, "while the database is away")
     assert time.monotonic() - cached_at < KEY_CACHE_TTL_S, "the outage outlived the key cache"
     pg_proxy.up()
@@ -113,13 +113,13 @@ async def test_readyz_is_not_ready_while_new_keys_cannot_be_authenticated(
     async def not_ready() -> bool:
         return await readyz(session, c) == 503
 
-    await eventually(not_ready, 4, "/readyz answers 503 while the database is away")
+    await wait_until(not_ready, 4, "/readyz answers 503 while the database is away")
     pg_proxy.up()
 
     async def ready() -> bool:
         return await readyz(session, c) == 200
 
-    await eventually(ready, 10, "/readyz answers 200 once the database is back")
+    await wait_until(ready, 10, "/readyz answers 200 once the database is back")
 
 
 async def test_usage_and_admin_during_an_outage_are_retryable_503s(
@@ -184,7 +184,7 @@ async def test_sigterm_during_a_short_outage_loses_no_usage(
     async def flush_tried() -> bool:  # its last flush found the database away
         return pg_proxy.refused > refused or c.gateway.proc.poll() is not None
 
-    await eventually(flush_tried, 5, "the gateway's last flush tries the database")
+    await wait_until(flush_tried, 5, "the gateway's last flush tries the database")
     pg_proxy.up()
     assert await c.gateway.exited(timeout=20) == 0, c.gateway.tail()
     await assert_usage_matches(database_url, seen, timeout=2)

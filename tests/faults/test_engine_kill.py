@@ -15,11 +15,11 @@ from tests.faults.clients import (
     assert_usage_matches,
     check_clean,
     completion,
-    eventually,
     send,
     streaming,
 )
 from tests.faults.cluster import STREAM_TOKENS, Cluster, StartCluster
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -54,7 +54,7 @@ async def test_engine_killed_mid_stream_ends_its_stream_cleanly(
     async def marked_down() -> bool:
         return await c.backends(session) == {c.engine_urls[0]: False, c.engine_urls[1]: True}
 
-    await eventually(marked_down, 5, "the gateway marks the killed engine down")
+    await wait_until(marked_down, 5, "the gateway marks the killed engine down")
     after = [await send(session, c.url, c.tenants["acme"], c.keys["acme"], completion(8))
              for _ in range(4)]
     assert all(s.ok and s.tokens == 8 for s in after), after

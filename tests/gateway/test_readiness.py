@@ -4,10 +4,7 @@ the database answers again; cached keys keep working meanwhile and no usage is l
 
 from __future__ import annotations
 
-import asyncio
-import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,54 +12,42 @@ import pytest
 from gateway.state import GATEWAY
 from tests.faults.proxy import TcpProxy
 from tests.gateway.helpers import completion, start_gateway
-
-PG = "postgres@127.0.0.1:5432"
-
-
-async def _pg(sql: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(f"postgresql://{PG}/postgres", timeout=3)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
+from tests.support import postgres
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
-async def database() -> AsyncIterator[str]:
-    name = f"fg_ready_{uuid.uuid4().hex[:12]}"
-    try:
-        await _pg(f'CREATE DATABASE "{name}"')
-    except Exception as exc:
-        pytest.skip(f"PostgreSQL at {PG} is unreachable ({type(exc).__name__}); the readiness "
-                    "test needs a database it can cut off")
-    yield name
-    await _pg(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+def database() -> Iterator[str]:
+    reason = postgres.unreachable()
+    if reason is not None:
+        pytest.skip(f"{reason}; the readiness test needs a database it can cut off")
+    with postgres.fresh_database("fg_ready") as name:
+        yield name
 
 
 @pytest.fixture
 def proxy() -> Iterator[TcpProxy]:
-    with TcpProxy("127.0.0.1", 5432) as p:
+    with TcpProxy(postgres.PG_HOST, postgres.PG_PORT) as p:
         yield p
 
 
 async def _ready_becomes(client: Any, want: bool, timeout: float = 10.0) -> dict[str, Any]:
-    """Poll /readyz (what a load balancer does) until it says `want`."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """Ask /readyz (as a load balancer does) until it says `want`; its last answer."""
+    answer: dict[str, Any] = {}
+
+    async def says_it() -> bool:
         resp = await client.get("/readyz")
-        body = await resp.json()
-        if body["ready"] is want:
-            assert resp.status == (200 if want else 503)
-            return body
-        assert time.monotonic() < deadline, f"/readyz still says {body}"
-        await asyncio.sleep(0.05)
+        answer.update(await resp.json(), status=resp.status)
+        return answer["ready"] is want
+
+    await wait_until(says_it, timeout, f"/readyz says ready={want}")
+    assert answer.pop("status") == (200 if want else 503)
+    return answer
 
 
 async def test_readyz_follows_the_database(aiohttp_client: Any, database: str,
                                            proxy: TcpProxy) -> None:
-    url = f"postgresql+asyncpg://postgres@127.0.0.1:{proxy.port}/{database}"
+    url = f"postgresql+asyncpg://{postgres.PG_USER}@127.0.0.1:{proxy.port}/{database}"
     h = await start_gateway(aiohttp_client, url, tenants={"acme": {}, "beta": {}})
     body = await _ready_becomes(h.client, True)
     assert body["checks"]["database"] == {"ok": True}

@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import os
 import selectors
+import signal
+import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wait_for_output(proc: subprocess.Popen[bytes], marker: bytes, timeout: float = 30.0) -> bytes:
@@ -30,3 +38,26 @@ def wait_for_output(proc: subprocess.Popen[bytes], marker: bytes, timeout: float
                     return line
     raise AssertionError(f"the process never printed {marker!r} (exit {proc.poll()}): "
                          f"{seen.decode(errors='replace')[-2000:]}")
+
+
+@contextmanager
+def fairgate_engine(*sets: str) -> Iterator[str]:
+    """A real `fairgate engine --set KNOB=VALUE ...` in its own process on a free port, ready
+    (it logged its listening line): its URL; stopped with SIGINT (then killed) afterwards."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    args = [a for knob in sets for a in ("--set", knob)]
+    proc = subprocess.Popen([sys.executable, "-m", "fairgate", "engine", "--port", str(port),
+                             *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for_output(proc, b"serving ")  # logged once the port is open
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()

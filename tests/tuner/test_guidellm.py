@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -34,8 +33,8 @@ from guidellm.schemas.backends import OpenAIHTTPBackendArgs  # noqa: E402
 
 from gateway.app import make_app  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
-from tests.gateway.helpers import SIM_ENGINE, ServerThread, create_tenants, free_port  # noqa: E402
-from tests.support.processes import wait_for_output  # noqa: E402
+from tests.gateway.helpers import SIM_ENGINE, ServerThread, create_tenants  # noqa: E402
+from tests.support.processes import fairgate_engine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -44,23 +43,8 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 @pytest.fixture(scope="module")
 def engine_url() -> Iterator[str]:
     """A real `fairgate engine` (simulated executor) in its own process."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fairgate", "engine", "--port", str(port),
-         "--set", "executor=sim", "--set", "sim_model=tiny", "--set", "num_kv_blocks=256"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_output(proc, b"serving ")  # logged once the port is open
-        yield base
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+    with fairgate_engine("executor=sim", "sim_model=tiny", "num_kv_blocks=256") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shlex
-import signal
-import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +16,7 @@ import yaml
 
 from engine.config import EngineConfig
 from fairgate.cli import main
-from tests.support.processes import wait_for_output
+from tests.support.processes import fairgate_engine
 from tuner.remote import check_template, fill_template, free_port, timing_of
 from tuner.report import RequestResult
 
@@ -32,20 +29,8 @@ ENGINE = ["-m", "fairgate", "engine", "--set", "executor=sim", "--set", "sim_clo
 
 @pytest.fixture
 def engine_url() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, *ENGINE, "--port", str(port)], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        wait_for_output(proc, b"serving ")  # logged once the port is open
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+    with fairgate_engine("executor=sim", "sim_clock=realtime") as url:
+        yield url
 
 
 @pytest.fixture
