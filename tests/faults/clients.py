@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import asyncpg
 
-from tests.faults.cluster import STREAM_TOKENS
+from tests.faults.cluster import STREAM_TOKENS, Cluster
 from tests.support.waiting import wait_until
 
 # Turned away before the key was known: no tenant, so no usage row.
@@ -191,3 +191,18 @@ async def assert_usage_matches(database_url: str, seen: list[Seen],
     assert not missing and not extra, (
         f"requests without a usage row: {missing}\nrows without a request: {extra}")
     return rows
+
+
+async def first_engine_down_others_serve(c: Cluster, session: aiohttp.ClientSession, what: str,
+                                         requests: int) -> list[Seen]:
+    """Wait until the gateway has marked engine 0 down (and engine 1 up), then send `requests`
+    short requests: each must succeed, on the other engine. What they saw, for the usage check."""
+
+    async def marked_down() -> bool:
+        return await c.backends(session) == {c.engine_urls[0]: False, c.engine_urls[1]: True}
+
+    await wait_until(marked_down, 5, f"the gateway marks the {what} engine down")
+    after = [await send(session, c.url, c.tenants["acme"], c.keys["acme"], completion(8))
+             for _ in range(requests)]
+    assert all(s.ok and s.tokens == 8 for s in after), after
+    return after

@@ -15,11 +15,11 @@ from tests.faults.clients import (
     assert_usage_matches,
     check_clean,
     completion,
+    first_engine_down_others_serve,
     send,
     streaming,
 )
 from tests.faults.cluster import STREAM_TOKENS, Cluster, StartCluster
-from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -51,13 +51,7 @@ async def test_engine_killed_mid_stream_ends_its_stream_cleanly(
     assert victim.stream_error and 0 < victim.tokens < STREAM_TOKENS, victim
     assert survivor.ok and survivor.tokens == STREAM_TOKENS, survivor
 
-    async def marked_down() -> bool:
-        return await c.backends(session) == {c.engine_urls[0]: False, c.engine_urls[1]: True}
-
-    await wait_until(marked_down, 5, "the gateway marks the killed engine down")
-    after = [await send(session, c.url, c.tenants["acme"], c.keys["acme"], completion(8))
-             for _ in range(4)]
-    assert all(s.ok and s.tokens == 8 for s in after), after
+    after = await first_engine_down_others_serve(c, session, "killed", 4)
     await assert_usage_matches(database_url, [victim, survivor, *after])
 
 

@@ -16,7 +16,7 @@ from tests.faults.clients import (
     assert_usage_matches,
     check_clean,
     completion,
-    send,
+    first_engine_down_others_serve,
     streaming,
 )
 from tests.faults.cluster import (
@@ -24,7 +24,6 @@ from tests.faults.cluster import (
     STREAM_TOKENS,
     StartCluster,
 )
-from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.postgres
 STALL_TIMEOUT_S = BACKEND_TIMEOUTS["stall_timeout_s"]
@@ -47,13 +46,7 @@ async def test_engine_stopped_mid_stream_ends_on_the_stall_timeout(
     assert victim.stream_error and victim.tokens < STREAM_TOKENS, victim
     assert waited < STALL_TIMEOUT_S + SLACK_S < REQUEST_TIMEOUT_S, waited
 
-    async def marked_down() -> bool:
-        return await c.backends(session) == {c.engine_urls[0]: False, c.engine_urls[1]: True}
-
-    await wait_until(marked_down, 5, "the gateway marks the stopped engine down")
-    after = [await send(session, c.url, c.tenants["acme"], c.keys["acme"], completion(8))
-             for _ in range(3)]
-    assert all(s.ok and s.tokens == 8 for s in after), after
+    after = await first_engine_down_others_serve(c, session, "stopped", 3)
     await assert_usage_matches(database_url, [victim, *after])
 
 
