@@ -27,7 +27,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 SIM_CLOCKS = ("virtual", "realtime")
-SIM_HARDWARE = ("h100", "h200", "a100", "cpu")
+SIM_HARDWARE = ("h100", "h200", "a100", "l4", "a10g", "cpu")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,19 @@ A step's time is a roofline estimate: reading the weights and every scheduled re
 context from memory, against the matmul and attention FLOPs, plus a fixed launch overhead.
 With the virtual clock what-if studies run at CPU speed; with the real-time clock the engine
 sleeps the modelled time, so a CPU machine serves with GPU-like timing.
+
+Memory is modelled the way a GPU engine (vLLM) sizes its KV cache, so `memory_fraction`,
+`max_num_batched_tokens`, `max_num_seqs` and `max_model_len` are real trade-offs:
+
+- inside the budget (`memory_fraction` x device memory): the weights, the activation peak of a
+  profiling forward pass at `max_num_batched_tokens` (plus the sampler's fp32 logits for
+  `max_num_seqs` rows), and the non-torch reserve (CUDA context, cuBLAS workspaces); the KV
+  cache gets what is left, and must hold one `max_model_len` request;
+- outside the budget: CUDA graphs, captured after the KV cache is allocated, for batch sizes up
+  to `max_num_seqs`. A budget that leaves too little of the device for them starts and then
+  runs out of memory, as vLLM users see with a high gpu_memory_utilization.
+
+Both failures raise `OutOfMemory` (a ValueError) naming the knobs, before any request runs.
 """
 
 from __future__ import annotations
@@ -20,25 +33,56 @@ from engine.scheduler import SchedulerOutput
 from engine.tokenizer import ByteTokenizer, Tokenizer
 
 GIB = 1 << 30
+ACTIVATION_BYTES = 2  # bf16 activations
+LOGIT_BYTES = 8  # fp32 logits and the sampler's fp32 probabilities, per vocabulary entry
+
+
+class OutOfMemory(ValueError):
+    """The simulated device cannot hold this config (at start, or when capturing graphs)."""
 
 
 @dataclass(frozen=True)
 class Hardware:
-    memory_gb: float
+    memory_gb: float  # GiB the device reports (nvidia-smi's total)
     bandwidth: float  # bytes/s, peak
     flops: float  # dense 16-bit FLOP/s, peak
     bandwidth_efficiency: float = 0.8
     flops_efficiency: float = 0.5
     step_overhead: float = 0.002  # seconds: launches, scheduling, sampling
+    non_torch_gb: float = 0.0  # CUDA context and workspaces, inside the memory_fraction budget
+    graph_gb: float = 0.0  # CUDA graphs, outside the budget: a fixed part ...
+    graph_gb_per_seq: float = 0.0  # ... and one per captured batch size up to max_num_seqs
 
 
+_GPU = {"non_torch_gb": 0.5, "graph_gb": 0.2, "graph_gb_per_seq": 0.0015}
 HARDWARE_PRESETS: dict[str, Hardware] = {
-    "h100": Hardware(memory_gb=80, bandwidth=3.35e12, flops=989e12),
-    "h200": Hardware(memory_gb=141, bandwidth=4.8e12, flops=989e12),
-    "a100": Hardware(memory_gb=80, bandwidth=2.04e12, flops=312e12),
+    "h100": Hardware(memory_gb=79.6, bandwidth=3.35e12, flops=989e12, **_GPU),
+    "h200": Hardware(memory_gb=140.4, bandwidth=4.8e12, flops=989e12, **_GPU),
+    "a100": Hardware(memory_gb=80, bandwidth=2.04e12, flops=312e12, **_GPU),
+    # memory-bound: Llama-3-8B's 15 GiB of bf16 weights leave about 5 GiB for everything else
+    "l4": Hardware(memory_gb=22.5, bandwidth=300e9, flops=121e12, **_GPU),
+    "a10g": Hardware(memory_gb=22.5, bandwidth=600e9, flops=70e12, **_GPU),
     "cpu": Hardware(memory_gb=16, bandwidth=50e9, flops=1e12, flops_efficiency=0.3,
                     step_overhead=0.001),
 }
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes of the simulated device, as the engine would spend them under one config."""
+
+    device: float
+    budget: float  # memory_fraction x device
+    weights: float
+    activation_peak: float
+    non_torch: float
+    graphs: float  # outside the budget
+    kv: float  # what the budget leaves for the KV cache (may be negative)
+
+    def describe(self) -> str:
+        return (f"{self.budget / GIB:.2f} GiB budget = {self.weights / GIB:.2f} weights + "
+                f"{self.activation_peak / GIB:.2f} activation peak + {self.non_torch / GIB:.2f} "
+                f"non-torch + {self.kv / GIB:.2f} KV cache")
 
 
 class CostModel:
@@ -66,22 +110,52 @@ class CostModel:
         swap_bytes = (len(plan.swap_in) + len(plan.swap_out)) * self.kv_bytes_per_token
         return hw.step_overhead + max(memory, compute) + swap_bytes / 25e9  # PCIe ~25 GB/s
 
+    def activation_peak(self, config: EngineConfig) -> float:
+        """Bytes of a profiling forward pass over max_num_batched_tokens tokens: one layer's
+        live tensors (residual and normed hidden states, q/k/v, gate, up and the activated
+        MLP input) plus fp32 logits and probabilities for max_num_seqs sampled rows."""
+        shape = self.shape
+        qkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+        per_token = (4 * shape.hidden_size + qkv + 3 * shape.intermediate_size) * ACTIVATION_BYTES
+        logits = config.max_num_seqs * shape.vocab_size * LOGIT_BYTES
+        return config.max_num_batched_tokens * per_token + logits
+
+    def memory_plan(self, config: EngineConfig) -> MemoryPlan:
+        hw = self.hardware
+        device = hw.memory_gb * GIB
+        budget = device * config.memory_fraction
+        activation = self.activation_peak(config)
+        non_torch = hw.non_torch_gb * GIB
+        graphs = (hw.graph_gb + hw.graph_gb_per_seq * config.max_num_seqs) * GIB
+        return MemoryPlan(device=device, budget=budget, weights=self.weight_bytes,
+                          activation_peak=activation, non_torch=non_torch, graphs=graphs,
+                          kv=budget - self.weight_bytes - activation - non_torch)
+
     def kv_capacity(self, config: EngineConfig) -> KVCapacity:
+        """Blocks the budget leaves (or num_kv_blocks); OutOfMemory when the config cannot
+        start: too little KV for one max_model_len request, or no room left for the graphs."""
         bytes_per_block = int(self.kv_bytes_per_token * config.block_size)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
-            free = self.hardware.memory_gb * GIB * config.memory_fraction - self.weight_bytes
-            num_blocks = int(free // bytes_per_block)
-            num_blocks = max(num_blocks, 0)
+            plan = self.memory_plan(config)
+            num_blocks = max(int(plan.kv // bytes_per_block), 0)
             max_model_len = config.resolved_max_model_len
             if num_blocks * config.block_size < max_model_len:
-                raise ValueError(
-                    f"the simulated {config.sim_hardware} has room for {num_blocks} KV blocks "
-                    f"({num_blocks * config.block_size} tokens) after "
-                    f"{self.weight_bytes / GIB:.1f} GiB of weights, fewer than one max_model_len "
-                    f"({max_model_len}) request needs; raise memory_fraction, lower "
-                    "max_model_len or pick a larger sim_hardware")
+                raise OutOfMemory(
+                    f"out of memory: the simulated {config.sim_hardware} has room for "
+                    f"{num_blocks} KV blocks ({num_blocks * config.block_size} tokens), fewer "
+                    f"than one max_model_len ({max_model_len}) request needs ({plan.describe()}); "
+                    "raise memory_fraction, lower max_model_len or max_num_batched_tokens, or "
+                    "pick a larger sim_hardware")
+            if plan.budget + plan.graphs > plan.device:
+                raise OutOfMemory(
+                    f"out of memory capturing CUDA graphs: max_num_seqs {config.max_num_seqs} "
+                    f"needs {plan.graphs / GIB:.2f} GiB beyond the memory_fraction budget, and "
+                    f"memory_fraction {config.memory_fraction:g} leaves "
+                    f"{(plan.device - plan.budget) / GIB:.2f} GiB of the simulated "
+                    f"{config.sim_hardware}'s {plan.device / GIB:.1f} GiB; lower "
+                    "memory_fraction or max_num_seqs")
         num_host = int(config.swap_space_gb * GIB // bytes_per_block)
         return KVCapacity(num_blocks, num_host, bytes_per_block)
 

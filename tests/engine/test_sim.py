@@ -11,7 +11,7 @@ from engine.clock import VirtualClock
 from engine.presets import model_preset
 from engine.request import Request
 from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.sim import HARDWARE_PRESETS, CostModel
+from engine.sim import HARDWARE_PRESETS, CostModel, OutOfMemory
 
 
 def plan_of(*shapes: tuple[int, int]) -> SchedulerOutput:
@@ -51,16 +51,53 @@ def test_faster_hardware_is_faster() -> None:
     assert cost("h200").step_time(plan) < cost("h100").step_time(plan) < cost("a100").step_time(plan)
 
 
-def test_kv_capacity_from_memory_and_too_little_memory_names_the_knob() -> None:
+def test_kv_capacity_is_the_budget_less_weights_activation_peak_and_reserve() -> None:
     config = EngineConfig(executor="sim", sim_model="llama-3-8b", sim_hardware="h100",
                           max_model_len=8192)
-    capacity = cost().kv_capacity(config)
-    kv_bytes = model_preset("llama-3-8b").kv_bytes_per_token(2.0) * 16
-    expected = int((80 * 2**30 * 0.9 - model_preset("llama-3-8b").num_params * 2) // kv_bytes)
-    assert capacity.num_blocks == expected
+    model = cost()
+    capacity = model.kv_capacity(config)
+    shape, hw = model_preset("llama-3-8b"), HARDWARE_PRESETS["h100"]
+    block = shape.kv_bytes_per_token(2.0) * 16
+    plan = model.memory_plan(config)
+    assert plan.weights == shape.num_params * 2
+    assert plan.budget == pytest.approx(hw.memory_gb * 2**30 * 0.9)
+    used = plan.weights + plan.activation_peak + plan.non_torch
+    assert capacity.num_blocks * block <= plan.budget - used < (capacity.num_blocks + 1) * block
+    # the activation peak is real and grows with the token budget: fewer blocks are left
+    assert 0.2 * 2**30 < plan.activation_peak < 1 * 2**30
+    bigger = model.kv_capacity(config.replace(max_num_batched_tokens=16384))
+    assert bigger.num_blocks < capacity.num_blocks
     seventy = CostModel(model_preset("llama-3-70b"), HARDWARE_PRESETS["h100"], 2.0)
-    with pytest.raises(ValueError, match="memory_fraction"):
+    with pytest.raises(OutOfMemory, match="memory_fraction"):
         seventy.kv_capacity(config.replace(sim_model="llama-3-70b"))
+
+
+L4 = EngineConfig(executor="sim", sim_model="llama-3-8b", sim_hardware="l4", max_model_len=8192)
+
+
+def test_on_a_24_gb_card_every_memory_knob_decides_whether_llama_8b_starts() -> None:
+    model = cost("l4")
+    fits = model.kv_capacity(L4)
+    assert fits.num_blocks * 16 >= 8192
+    # the model's whole 128k context does not fit beside 15 GiB of weights
+    with pytest.raises(OutOfMemory, match="max_model_len"):
+        model.kv_capacity(L4.replace(max_model_len=131072))
+    # a low memory_fraction leaves no KV room at all
+    with pytest.raises(OutOfMemory, match="raise memory_fraction"):
+        model.kv_capacity(L4.replace(memory_fraction=0.7))
+    # a huge token budget's activation peak eats the KV cache
+    with pytest.raises(OutOfMemory, match="max_num_batched_tokens"):
+        model.kv_capacity(L4.replace(max_num_batched_tokens=65536))
+    # a high memory_fraction starts the KV cache but leaves no room for many graphs
+    model.kv_capacity(L4.replace(memory_fraction=0.97, max_num_seqs=64))
+    with pytest.raises(OutOfMemory, match="CUDA graphs.*lower memory_fraction or max_num_seqs"):
+        model.kv_capacity(L4.replace(memory_fraction=0.97, max_num_seqs=512))
+
+
+def test_an_engine_that_runs_out_of_simulated_memory_fails_at_start() -> None:
+    with pytest.raises(OutOfMemory, match="out of memory"):
+        LLMEngine(L4.replace(memory_fraction=0.99))
+    assert LLMEngine(L4).capacity.num_blocks > 0
 
 
 def test_virtual_clock_advances_by_modelled_step_times() -> None:
