@@ -3,9 +3,14 @@
     fairgate tune --mode sim | replay --url URL | launch --command '...{port}...{knob}...'
                   [--api-key KEY] [--launch-timeout S] [-c fairgate.yaml] [--set KNOB=VALUE]
                   (--workload NAME | --trace FILE | --workload-file F) [--rate R] [--duration S]
-                  [--slo-ttft-p99 S] [--slo-itl-p99 S] [--objective goodput|capacity]
-                  [--space space.yaml]
-                  [--trials N | --timeout S] [--study NAME] [--storage URL] [--out DIR] [--seed N]
+                  [--slo-ttft-p99 S] [--slo-itl-p99 S] [--objective goodput|capacity|pareto]
+                  [--space space.yaml] [--baseline vllm-grid] [--robustness K] [--robust-top N]
+                  [--trials N | --timeout S] [--workers N] [--study NAME] [--storage URL]
+                  [--out DIR] [--seed N]
+
+--trials is the study's size: a resumed study (the same --study) runs only the trials it still
+lacks, so a study whose worker was killed is finished by running the same command again (the
+killed trial is re-run with the same knobs once its heartbeat is stale).
 
 An SLO not given is the strictest one an enabled tenant in the database sets (said on stderr).
 Every input is checked before the study opens or --out is touched; a mistake is one line and
@@ -26,15 +31,17 @@ from typing import Any
 from fairgate.config import database_url, load_config_file
 from fairgate.engine_cli import build_config
 from protocol.measures import SLO
-from protocol.validators import check_number, check_positive_int
+from protocol.validators import check_int, check_number, check_positive_int
 from tuner.bench_cli import plan_requests
 from tuner.space import default_space, load_space_file
 from tuner.study import (
+    HEARTBEAT_S,
     MODES,
     OBJECTIVES,
     RUNNERS,
     RunnerOptions,
     TuneSpec,
+    Variant,
     check_mode,
     check_objective,
     run_study,
@@ -57,7 +64,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         f"{', '.join(RUNNERS)}); sim: in process on a virtual clock; replay: "
                         "reconfigure a running `fairgate engine` per trial; launch: start a "
                         "server per trial from --command. replay and launch run in real time")
-    parser.add_argument("--url", help="replay: the running `fairgate engine` (http://host:port)")
+    parser.add_argument("--url", action="append", default=[],
+                        help="replay: the running `fairgate engine` (http://host:port); repeat "
+                             "it for several engines, one worker each")
     # dest: `command` is the top-level parser's subcommand
     parser.add_argument("--command", dest="launch_command", metavar="TEMPLATE",
                         help="launch: the server command, split like a shell line (no shell); "
@@ -85,15 +94,32 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-itl-p99", type=float, metavar="S",
                         help="p99 inter-token target (each request's TPOT), seconds (default: "
                         "the strictest tenant's)")
-    parser.add_argument("--objective", default="goodput", help=f"{' | '.join(OBJECTIVES)} "
-                        "(built: goodput, capacity; capacity in replay/launch mode is slow: "
-                        "each of its probes is a real-time replay of the workload)")
+    parser.add_argument("--objective", default="goodput", help=f"{' | '.join(OBJECTIVES)}: "
+                        "goodput (req/s meeting both SLOs), capacity (the highest rate at which "
+                        "both p99s hold; slow in replay/launch mode: each probe is a real-time "
+                        "replay), pareto (output tokens/s against p99 TTFT)")
+    parser.add_argument("--baseline", metavar="NAME", help="vllm-grid: vLLM auto_tune's 8 "
+                        "configs (max_num_seqs 128/256 x max_num_batched_tokens 512..4096, "
+                        "memory_fraction probed from 0.98 down) join the study")
+    parser.add_argument("--robustness", type=int, metavar="K", help="re-run the top configs on "
+                        "K other seeds or slices of the workload and recommend the best worst "
+                        "case (default 2 in sim mode, 0 in replay/launch: real time)")
+    parser.add_argument("--robust-top", type=int, default=3, metavar="N",
+                        help="how many top configs the robustness re-runs check (default 3)")
+    parser.add_argument("--workers", type=int, metavar="N", help="trials in parallel: sim and "
+                        "launch in N processes, replay one per --url (default: 1, replay: the "
+                        "number of --url)")
+    parser.add_argument("--heartbeat", type=int, default=HEARTBEAT_S, metavar="S",
+                        help="seconds between a running trial's heartbeats; a trial silent for "
+                        f"two is re-run (default {HEARTBEAT_S})")
     parser.add_argument("--space", metavar="FILE", help="YAML search space (default: the token "
                         "budget, max_num_seqs, max_model_len, memory_fraction)")
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--trials", type=int, metavar="N",
-                        help=f"trials to run now (default {DEFAULT_TRIALS})")
-    budget.add_argument("--timeout", type=float, metavar="S", help="run trials for S seconds")
+                        help=f"the study's size in finished trials, counting earlier runs of "
+                        f"the same --study (default {DEFAULT_TRIALS})")
+    budget.add_argument("--timeout", type=float, metavar="S",
+                        help="run trials for S seconds (instead of --trials)")
     parser.add_argument("--study", metavar="NAME", help="study name; an existing one resumes "
                                                         "(default: a new tune-<time> study)")
     parser.add_argument("--storage", metavar="URL", help="Optuna storage (default: the config's "
@@ -124,11 +150,50 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
         "--trials", DEFAULT_TRIALS if args.trials is None else args.trials)
     study = args.study or time.strftime("tune-%Y%m%d-%H%M%S")
     storage = args.storage or database_url(load_config_file(args.config))
+    robustness = check_int("--robustness", args.robustness if args.robustness is not None
+                           else (2 if mode == "sim" else 0), low=0, high=MAX_VARIANTS)
     return TuneSpec(mode=mode, base=base, space=space, requests=tuple(requests), slo=slo,
                     storage=storage, study_name=study, out_dir=Path(args.out or study),
                     objective=objective, trials=trials, timeout_s=args.timeout,
                     seed=args.seed, workload=args.workload or args.trace or args.workload_file,
-                    runner=runner)
+                    runner=runner, baseline=args.baseline, workers=workers(mode, args),
+                    urls=tuple(args.url), variants=variants(args, robustness),
+                    robust_top=check_int("--robust-top", args.robust_top, low=1),
+                    heartbeat_s=check_positive_int("--heartbeat", args.heartbeat))
+
+
+MAX_VARIANTS = 16
+
+
+def workers(mode: str, args: argparse.Namespace) -> int:
+    if mode == "replay":
+        count = check_positive_int("--workers", len(args.url) if args.workers is None
+                                   else args.workers)
+        if count > len(args.url):
+            raise ValueError(f"--workers {count} in replay mode needs {count} engines: give "
+                             f"--url once per engine ({len(args.url)} given)")
+        return count
+    return check_positive_int("--workers", 1 if args.workers is None else args.workers)
+
+
+def variants(args: argparse.Namespace, count: int) -> tuple[Variant, ...]:
+    """`count` other draws of the workload for the robustness re-runs: a trace's next slices
+    of the same length (from --start + k x --duration), a synthetic workload's other seeds.
+    A slice past a trace's end falls back to the next seed."""
+    out: list[Variant] = []
+    duration = args.duration if args.duration is not None else 60.0
+    for k in range(1, count + 1):
+        if args.trace:
+            start = (args.start or 0.0) + k * duration
+            requests = plan_requests(argparse.Namespace(**{**vars(args), "start": start}))
+            if requests:
+                out.append(Variant(f"slice from {start:g} s", tuple(requests)))
+                continue
+        seed = args.seed + k
+        requests = plan_requests(argparse.Namespace(**{**vars(args), "seed": seed}))
+        if requests:
+            out.append(Variant(f"seed {seed}", tuple(requests)))
+    return tuple(out)
 
 
 def runner_options(mode: str, args: argparse.Namespace) -> RunnerOptions:
@@ -136,21 +201,23 @@ def runner_options(mode: str, args: argparse.Namespace) -> RunnerOptions:
     from tuner.loadgen import Target
     from tuner.remote import check_reachable, check_template
 
-    for flag, value, wanted in (("--url", args.url, "replay"),
+    for flag, value, wanted in (("--url", args.url or None, "replay"),
                                 ("--command", args.launch_command, "launch")):
         if value is not None and mode != wanted:
             raise ValueError(f"{flag} is for --mode {wanted}, not --mode {mode}")
     if mode == "replay":
-        if args.url is None:
+        if not args.url:
             raise ValueError("--mode replay needs --url URL of a running fairgate engine")
-        Target(args.url)  # the URL's form
-        check_reachable(args.url, args.api_key)
+        for url in args.url:
+            Target(url)  # the URL's form
+            check_reachable(url, args.api_key)
     if mode == "launch":
         if args.launch_command is None:
             raise ValueError("--mode launch needs --command '... --port {port} ...'")
         check_template(args.launch_command)
     timeout = check_number("--launch-timeout", args.launch_timeout, low=0, open_low=True)
-    return RunnerOptions(url=args.url, command=args.launch_command, api_key=args.api_key,
+    return RunnerOptions(url=args.url[0] if args.url else None, command=args.launch_command,
+                         api_key=args.api_key,
                          launch_timeout_s=timeout)
 
 
@@ -202,9 +269,13 @@ def tenant_slos(url: str) -> dict[str, tuple[float, str]]:
 def run(args: argparse.Namespace) -> int:
     import optuna
 
+    from tuner.progress import ProgressBar
+    from tuner.study_report import margin_text
+
     spec = build_spec(args)
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own line per trial instead
-    outcome = run_study(spec, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    with ProgressBar(spec.trials, sys.stderr) as bar:
+        outcome = run_study(spec, progress=bar)
     written = ", ".join(str(p) for p in outcome.files)
     default = outcome.default
     if spec.mode == "launch" and default is not None and not default.ran:
@@ -216,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
               f"{written}", file=sys.stderr)
         return 1
     best = outcome.best
-    print(f"fairgate tune: best trial #{best.number}: {value_text(best)} with "
+    for line in margin_text(spec, outcome):
+        print(f"fairgate tune: {line.removeprefix('- ')}", file=sys.stderr)
+    print(f"fairgate tune: recommended trial #{best.number}: {value_text(best)} with "
           f"{best.params}; wrote {written}", file=sys.stderr)
     return 0

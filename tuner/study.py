@@ -30,12 +30,9 @@ same `TrialRunner` protocol.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
 import json
 import math
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,21 +41,25 @@ from typing import Any, Protocol
 
 import numpy as np
 import optuna
-import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from engine.config import EngineConfig
 from protocol.measures import SLO, RequestTiming, error_budget, goodput
-from protocol.validators import check_choice, check_number
+from protocol.validators import check_choice, check_number, check_positive_int
 from tuner.capacity import mean_rate, scale_arrivals, search_capacity
+from tuner.progress import ProgressBar
 from tuner.space import Space, build_config
 from tuner.traces import TraceRequest
 
 MODES = ("sim", "replay", "launch", "shadow")
 OBJECTIVES = ("goodput", "capacity", "pareto")
-BUILT_OBJECTIVES = ("goodput", "capacity")
+BUILT_OBJECTIVES = OBJECTIVES
 OBJECTIVE_TEXT = {"goodput": "requests/s meeting both SLOs at the workload's own rate",
-                  "capacity": "the highest arrival rate, requests/s, at which both p99s hold"}
+                  "capacity": "the highest arrival rate, requests/s, at which both p99s hold",
+                  "pareto": "output tokens/s against p99 TTFT, both SLOs as constraints"}
+OBJECTIVE_UNIT = {"goodput": "req/s", "capacity": "req/s", "pareto": "tok/s"}
+BASELINES = ("vllm-grid",)
+HEARTBEAT_S = 10  # a killed worker's trial is retried once it missed two heartbeats
 VIOLATION_CAP = 1e6  # seconds: an infinite p99 (or a trial that never ran) as a finite violation
 BOOTSTRAP_RESAMPLES = 200
 CONSTRAINTS = ("p99_ttft", "p99_itl")  # p99 - SLO, seconds
@@ -186,6 +187,14 @@ def optuna_storage_url(url: str) -> str:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """Another slice or seed of the workload, for the robustness re-runs."""
+
+    label: str  # "seed 1", "slice from 60 s"
+    requests: tuple[TraceRequest, ...]
+
+
+@dataclass(frozen=True)
 class TuneSpec:
     mode: str
     base: EngineConfig  # the user's config (-c, --set); best.yaml is this plus the winner's knobs
@@ -196,11 +205,17 @@ class TuneSpec:
     study_name: str
     out_dir: Path
     objective: str = "goodput"
-    trials: int | None = 30
+    trials: int | None = 30  # the study's size: trials finished, over every run and worker
     timeout_s: float | None = None
     seed: int = 0
     workload: str = ""  # how the requests were made, for the report
     runner: RunnerOptions = RunnerOptions()
+    baseline: str | None = None  # "vllm-grid": vLLM auto_tune's 8 configs join the study
+    workers: int = 1  # sim: processes; replay: one per --url
+    urls: tuple[str, ...] = ()  # replay with several engines: worker i drives urls[i]
+    variants: tuple[Variant, ...] = ()  # robustness: the top configs re-run on each
+    robust_top: int = 3
+    heartbeat_s: int = HEARTBEAT_S
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -215,6 +230,21 @@ class TuneSpec:
             raise ValueError("give --trials N or --timeout S")
         if self.timeout_s is not None:
             check_number("--timeout", self.timeout_s, low=0, open_low=True)
+        check_positive_int("--workers", self.workers)
+        check_positive_int("--heartbeat", self.heartbeat_s)
+        if self.baseline is not None:
+            check_choice("--baseline", self.baseline, BASELINES)
+            missing = [k for k in VLLM_GRID_KNOBS if k not in self.space]
+            if missing:
+                raise ValueError(f"--baseline vllm-grid varies {', '.join(VLLM_GRID_KNOBS)}; "
+                                 f"add {', '.join(missing)} to the space")
+            if self.trials is not None and self.trials < 1 + len(VLLM_GRID):
+                raise ValueError(f"--baseline vllm-grid adds {len(VLLM_GRID)} trials to the "
+                                 f"default one: --trials must be at least {1 + len(VLLM_GRID)}")
+
+    @property
+    def multi_objective(self) -> bool:
+        return self.objective == "pareto"
 
     def fingerprint(self, prepared_base: EngineConfig) -> dict[str, Any]:
         """What a resumed study must agree on (JSON-shaped, as Optuna stores it)."""
@@ -224,6 +254,13 @@ class TuneSpec:
                  "workload": self.workload, "base": prepared_base.to_dict()}
         loaded: dict[str, Any] = json.loads(json.dumps(value))
         return loaded
+
+
+# vLLM's benchmarks/auto_tune: every max_num_seqs x max_num_batched_tokens pair, each at the
+# highest gpu_memory_utilization from 0.98 down in steps of 0.01 at which the server starts
+VLLM_GRID_KNOBS = ("max_num_seqs", "max_num_batched_tokens")
+VLLM_GRID = tuple((seqs, tokens) for seqs in (128, 256) for tokens in (512, 1024, 2048, 4096))
+VLLM_MEMORY_PROBE = tuple(round(0.98 - 0.01 * i, 2) for i in range(49))  # 0.98 .. 0.50
 
 
 # ----------------------------------------------------------------------------- measures
@@ -240,6 +277,7 @@ class TrialMeasures:
     requests: int
     failed: int  # refused, failed or cut off by the early stop
     wall_s: float
+    output_tokens_per_s: float = 0.0  # of every request that finished, met its SLOs or not
 
     def violations(self, slo: SLO) -> list[float]:
         assert slo.ttft_s is not None and slo.itl_s is not None
@@ -283,11 +321,13 @@ def measure(run: TrialRun, planned: int, slo: SLO, seed: int = 0) -> TrialMeasur
     ttft = quantile_ci(ttfts, slo.target, seed)
     itl = quantile_ci([v for v in tpots if v is not None], slo.target, seed)
     good = goodput(timings, run.elapsed_s, slo)
+    tokens = sum(t.num_output_tokens for t in timings if t.ok)
     return TrialMeasures(p99_ttft_s=ttft[0], p99_ttft_ci=ttft[1], p99_itl_s=itl[0],
                          p99_itl_ci=itl[1], goodput_rps=good.requests_per_s,
                          good_fraction=good.requests / planned, requests=planned,
                          failed=sum(not t.ok for t in timings) + len(missing),
-                         wall_s=run.wall_s)
+                         wall_s=run.wall_s, output_tokens_per_s=(
+                             tokens / run.elapsed_s if run.elapsed_s > 0 else 0.0))
 
 
 def early_stop(planned: int, slo: SLO) -> StopRule:
@@ -315,12 +355,14 @@ class TrialRow:
     number: int
     state: str
     params: dict[str, Any]
-    baseline: bool
+    baseline: str | None  # "default", "vllm-grid 128x2048", else None
     ran: bool
     measures: dict[str, Any] | None
-    value: float | None  # the objective: goodput or capacity, requests/s
+    value: float | None  # the objective: goodput or capacity (req/s), pareto's tokens/s
     infeasible: str | None
     capacity: dict[str, Any] | None = None  # rate_rps, factor, probes, workload_rate_rps
+    retried_from: int | None = None  # the trial of a killed worker this one re-ran
+    objective: str = "goodput"
 
     @property
     def feasible(self) -> bool:
@@ -329,53 +371,122 @@ class TrialRow:
     @classmethod
     def of(cls, trial: FrozenTrial) -> TrialRow:
         attrs = trial.user_attrs
+        values = trial.values
+        baseline = attrs.get("baseline")
         return cls(number=trial.number, state=trial.state.name, params=dict(trial.params),
-                   baseline=attrs.get("baseline") == "default", ran=bool(attrs.get("ran")),
-                   measures=attrs.get("measures"), value=trial.value,
-                   infeasible=attrs.get("infeasible"), capacity=attrs.get("capacity"))
+                   baseline=baseline if isinstance(baseline, str) else None,
+                   ran=bool(attrs.get("ran")), measures=attrs.get("measures"),
+                   value=values[0] if values else None, infeasible=attrs.get("infeasible"),
+                   capacity=attrs.get("capacity"),
+                   retried_from=trial.system_attrs.get("failed_trial"),
+                   objective=str(attrs.get("objective", "goodput")))
+
+
+@dataclass(frozen=True)
+class Robustness:
+    """One top config re-run on the workload's other slices and seeds."""
+
+    number: int  # its trial
+    value: float  # its objective in the study
+    values: dict[str, float]  # variant label -> objective there
+    missed: dict[str, str]  # variant label -> why it missed the SLOs there
+
+    @property
+    def worst(self) -> float:
+        return min([self.value, *self.values.values()])
+
+    @property
+    def moved(self) -> float:
+        """The worst case's relative change from the study's value (-0.1: 10% lower)."""
+        return self.worst / self.value - 1 if self.value > 0 else 0.0
+
+    def key(self) -> tuple[int, float]:
+        return (-len(self.missed), self.worst)
 
 
 @dataclass(frozen=True)
 class StudyOutcome:
     study_name: str
     rows: list[TrialRow]
-    best: TrialRow | None  # the feasible trial with the highest goodput
+    best: TrialRow | None  # the recommendation: best worst case over the robustness re-runs
     default: TrialRow | None  # the base config's trial
     files: list[Path] = field(default_factory=list)
+    robustness: list[Robustness] = field(default_factory=list)
+    front: list[TrialRow] = field(default_factory=list)  # pareto: the feasible front
+
+    @property
+    def top(self) -> TrialRow | None:
+        """The feasible trial with the best objective in the study itself."""
+        return best_row(self.rows)
+
+    @property
+    def grid(self) -> list[TrialRow]:
+        return [r for r in self.rows if (r.baseline or "").startswith("vllm-grid")]
 
 
-Progress = Callable[[str], None]
+Progress = ProgressBar  # tuner.progress: a bar on a terminal, one line per event elsewhere
+
+
+def open_storage(spec: TuneSpec) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage on the study's URL, with heartbeats: a trial whose worker stopped
+    beating for two intervals is failed and re-run once, with the same knobs."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(
+            optuna_storage_url(spec.storage), heartbeat_interval=spec.heartbeat_s,
+            grace_period=2 * spec.heartbeat_s,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                max_retry=1))
 
 
 def run_study(spec: TuneSpec, progress: Progress | None = None) -> StudyOutcome:
-    """Run `spec.trials` more trials (or until `spec.timeout_s`) of the study named in `spec`,
-    creating it or resuming it, then write best.yaml, trials.csv and report.md."""
-    runner = RUNNERS[spec.mode](dataclasses.replace(spec.runner, knobs=tuple(spec.space)))
+    """Run the study named in `spec` until it holds `spec.trials` finished trials (or for
+    `spec.timeout_s`), creating or resuming it, over `spec.workers` workers; then re-run the
+    top configs on the other workload variants and write best.yaml, trials.csv and reports."""
+    from tuner.study_report import write_outputs
+
+    runner = _runner(spec, 0)
     prepared = runner.prepare(spec.base)
-    study = _open_study(spec, prepared)
+    storage = open_storage(spec)
+    study = _open_study(spec, prepared, storage)
     if progress is not None:
-        earlier = len(study.get_trials(deepcopy=False)) - 1  # the enqueued default counts
-        progress(f"fairgate tune: study {spec.study_name} on {spec.storage}"
-                 + (f", resumed after {earlier} trials" if earlier > 0 else "")
-                 + f"; {len(spec.requests)} requests per trial")
-    evaluate = _Evaluator(spec, runner, prepared)
-    callbacks = [_ProgressLine(spec, progress)] if progress is not None else []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        # the base config's values may lie outside a --space file's ranges: it runs as it is
-        warnings.filterwarnings("ignore", "Fixed parameter .* is out of range", UserWarning)
-        study.optimize(evaluate, n_trials=spec.trials, timeout=spec.timeout_s,
-                       callbacks=callbacks, gc_after_trial=False)
+        earlier = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        progress.started = progress.done = earlier
+        progress.note(f"fairgate tune: study {spec.study_name} on {spec.storage}"
+                 + (f", resumed with {earlier} trials done" if earlier else "")
+                 + f"; {len(spec.requests)} requests per trial"
+                 + (f"; {spec.workers} workers" if spec.workers > 1 else ""))
+    children = _start_workers(spec)
+    try:
+        _optimize(spec, study, runner, prepared, worker=0, progress=progress)
+    finally:
+        failed = _join_workers(children)
+    if failed and progress is not None:
+        progress.note(f"fairgate tune: {failed} worker(s) exited early; a trial they left is "
+                 "retried by the next run of this study")
+    robustness = _robustness(spec, study, runner, prepared, progress)
     rows = [TrialRow.of(t) for t in study.get_trials(deepcopy=False)]
-    outcome = StudyOutcome(spec.study_name, rows, best_row(rows),
-                           next((r for r in rows if r.baseline), None))
-    return dataclasses.replace(outcome, files=write_outputs(spec, outcome))
+    outcome = StudyOutcome(spec.study_name, rows, recommend(rows, robustness),
+                           next((r for r in rows if r.baseline == "default"), None),
+                           robustness=robustness,
+                           front=pareto_front(rows) if spec.multi_objective else [])
+    return dataclasses.replace(outcome, files=write_outputs(spec, outcome, study))
 
 
-def _open_study(spec: TuneSpec, prepared: EngineConfig) -> optuna.Study:
-    study = optuna.create_study(storage=optuna_storage_url(spec.storage),
-                                study_name=spec.study_name, direction="maximize",
-                                load_if_exists=True)
+def _runner(spec: TuneSpec, worker: int) -> TrialRunner:
+    options = dataclasses.replace(spec.runner, knobs=tuple(spec.space))
+    if spec.urls:
+        options = dataclasses.replace(options, url=spec.urls[worker % len(spec.urls)])
+    return RUNNERS[spec.mode](options)
+
+
+def _open_study(spec: TuneSpec, prepared: EngineConfig,
+                storage: optuna.storages.BaseStorage) -> optuna.Study:
+    directions: list[optuna.study.StudyDirection] = [optuna.study.StudyDirection.MAXIMIZE]
+    if spec.multi_objective:
+        directions.append(optuna.study.StudyDirection.MINIMIZE)
+    study = optuna.create_study(storage=storage, study_name=spec.study_name,
+                                directions=directions, load_if_exists=True)
     fingerprint = spec.fingerprint(prepared)
     stored = study.user_attrs.get("spec")
     if stored is None:
@@ -384,12 +495,70 @@ def _open_study(spec: TuneSpec, prepared: EngineConfig) -> optuna.Study:
         differ = ", ".join(k for k in fingerprint if stored.get(k) != fingerprint[k])
         raise ValueError(f"study {spec.study_name!r} was made with a different {differ}; "
                          "resume it with the same options or pick a new --study name")
-    # a resumed study reseeds past its trials, so it does not replay the first run's samples
-    study.sampler = optuna.samplers.TPESampler(
-        seed=spec.seed + len(study.get_trials(deepcopy=False)), multivariate=True)
     study.enqueue_trial(_default_params(spec, prepared), user_attrs={"baseline": "default"},
                         skip_if_exists=True)
+    if spec.baseline == "vllm-grid":
+        for label, params in vllm_grid(spec, prepared):
+            study.enqueue_trial(params, user_attrs={"baseline": label}, skip_if_exists=True)
     return study
+
+
+def _sampler(spec: TuneSpec, study: optuna.Study, worker: int) -> optuna.samplers.BaseSampler:
+    """TPE, reseeded past the study's trials (a resumed study does not replay the first run's
+    samples) and per worker; the constant liar keeps parallel workers apart."""
+    done = len(study.get_trials(deepcopy=False))
+    return optuna.samplers.TPESampler(seed=spec.seed + done + 7919 * worker, multivariate=True,
+                                      constant_liar=spec.workers > 1)
+
+
+def _optimize(spec: TuneSpec, study: optuna.Study, runner: TrialRunner, prepared: EngineConfig,
+              worker: int, progress: Progress | None) -> None:
+    """This worker's share: trials until the study holds spec.trials finished ones."""
+    study.sampler = _sampler(spec, study, worker)
+    n_trials = None
+    callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] = []
+    if spec.trials is not None:
+        n_trials = spec.trials - len(study.get_trials(deepcopy=False, states=(
+            TrialState.COMPLETE,)))
+        if n_trials <= 0:
+            return
+        callbacks.append(optuna.study.MaxTrialsCallback(spec.trials))
+    evaluate = _Evaluator(spec, runner, prepared, progress)
+    if progress is not None:
+        callbacks.append(_ProgressLine(spec, progress))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        # the base config's values may lie outside a --space file's ranges: it runs as it is
+        warnings.filterwarnings("ignore", "Fixed parameter .* is out of range", UserWarning)
+        study.optimize(evaluate, n_trials=n_trials, timeout=spec.timeout_s,
+                       callbacks=callbacks, gc_after_trial=False)
+
+
+def _start_workers(spec: TuneSpec) -> list[Any]:
+    """Workers 1..N-1 as processes (spawned: no state shared but the storage)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    children = [context.Process(target=_worker_main, args=(spec, worker), daemon=True,
+                                name=f"fairgate-tune-worker-{worker}")
+                for worker in range(1, spec.workers)]
+    for child in children:
+        child.start()
+    return children
+
+
+def _join_workers(children: Sequence[Any]) -> int:
+    for child in children:
+        child.join()
+    return sum(child.exitcode != 0 for child in children)
+
+
+def _worker_main(spec: TuneSpec, worker: int) -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    runner = _runner(spec, worker)
+    prepared = runner.prepare(spec.base)
+    study = optuna.load_study(study_name=spec.study_name, storage=open_storage(spec))
+    _optimize(spec, study, runner, prepared, worker, progress=None)
 
 
 def _default_params(spec: TuneSpec, prepared: EngineConfig) -> dict[str, Any]:
@@ -401,63 +570,124 @@ def _default_params(spec: TuneSpec, prepared: EngineConfig) -> dict[str, Any]:
     return spec.space.values_of(config)
 
 
+def vllm_grid(spec: TuneSpec, prepared: EngineConfig) -> list[tuple[str, dict[str, Any]]]:
+    """vLLM auto_tune's default grid as trials of this space: its max_num_seqs x
+    max_num_batched_tokens pairs, max_model_len as the base config has it (auto_tune takes
+    it as an input), and memory_fraction probed the way auto_tune does, from 0.98 down until
+    the engine starts. The probe needs the simulator's memory model; against a real server
+    (replay, launch) the grid keeps the base config's memory_fraction."""
+    defaults = _default_params(spec, prepared)
+    grid = []
+    for seqs, tokens in VLLM_GRID:
+        params = {**defaults, "max_num_seqs": seqs, "max_num_batched_tokens": tokens}
+        if "memory_fraction" in spec.space and prepared.executor == "sim":
+            params["memory_fraction"] = _probe_memory_fraction(prepared, params)
+        grid.append((f"vllm-grid {seqs}x{tokens}", params))
+    return grid
+
+
+def _probe_memory_fraction(prepared: EngineConfig, params: dict[str, Any]) -> float:
+    from engine.sim import SimExecutor
+
+    for fraction in VLLM_MEMORY_PROBE:
+        try:
+            config = build_config(prepared, {**params, "memory_fraction": fraction})
+            SimExecutor(config).plan_kv_capacity(config)
+        except ValueError:
+            continue
+        return fraction
+    return VLLM_MEMORY_PROBE[-1]  # starts nowhere: the trial records why
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A config's result on one set of requests."""
+
+    value: float  # the objective (pareto: output tokens/s)
+    measures: TrialMeasures
+    missed: str | None  # why it missed the SLOs, None when it met both
+    capacity: dict[str, Any] | None = None
+
+
 class _Evaluator:
     """The objective: one trial, never raising for a config that cannot run."""
 
-    def __init__(self, spec: TuneSpec, runner: TrialRunner, prepared: EngineConfig) -> None:
+    def __init__(self, spec: TuneSpec, runner: TrialRunner, prepared: EngineConfig,
+                 progress: Progress | None = None) -> None:
         self.spec, self.runner, self.prepared = spec, runner, prepared
+        self.progress = progress
         self.stop = early_stop(len(spec.requests), spec.slo)
-        self.objective = {"goodput": self._goodput, "capacity": self._capacity}[spec.objective]
 
-    def __call__(self, trial: optuna.Trial) -> float:
+    def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        trial.set_user_attr("objective", self.spec.objective)
         params = self.spec.space.suggest(trial)
+        if self.progress is not None:
+            self.progress.start(trial.number, ", ".join(f"{k}={_knob(v)}"
+                                                        for k, v in params.items()))
         try:
-            build_config(self.spec.base, params)  # what best.yaml would hold must load too
-            config = build_config(self.prepared, params)
+            config = self.config(params)
         except ValueError as exc:
-            return _not_run(trial, f"not run: {exc}")
+            return self._not_run(trial, f"not run: {exc}")
         try:
-            return self.objective(trial, config)
+            scored = self.score(config, self.spec.requests)
         except ValueError as exc:
-            return _not_run(trial, f"did not start: {exc}")
+            return self._not_run(trial, f"did not start: {exc}")
+        if scored.capacity is not None:
+            trial.set_user_attr("capacity", scored.capacity)
+        _record(trial, scored.measures, self.spec.slo, scored.missed)
+        if self.spec.multi_objective:
+            return scored.value, min(scored.measures.p99_ttft_s, VIOLATION_CAP)
+        return scored.value
+
+    def config(self, params: dict[str, Any]) -> EngineConfig:
+        build_config(self.spec.base, params)  # what best.yaml would hold must load too
+        return build_config(self.prepared, params)
+
+    def score(self, config: EngineConfig, requests: Sequence[TraceRequest]) -> Scored:
+        """The objective of `config` on `requests`; ValueError when it cannot start."""
+        if self.spec.objective == "capacity":
+            return self._capacity(config, requests)
+        measures, missed = self._replay(config, requests)
+        value = (measures.output_tokens_per_s if self.spec.multi_objective
+                 else measures.goodput_rps)
+        return Scored(value, measures, missed)
+
+    def _not_run(self, trial: optuna.Trial, reason: str) -> float | tuple[float, float]:
+        _not_run(trial, reason)
+        return (0.0, VIOLATION_CAP) if self.spec.multi_objective else 0.0
 
     def _replay(self, config: EngineConfig,
                 requests: Sequence[TraceRequest]) -> tuple[TrialMeasures, str | None]:
         """The run's measures and why it missed the SLOs (None when it met both)."""
-        run = self.runner.run(config, requests, self.stop)
+        stop = self.stop if requests is self.spec.requests else early_stop(
+            len(requests), self.spec.slo)
+        run = self.runner.run(config, requests, stop)
         measures = measure(run, len(requests), self.spec.slo, self.spec.seed)
         return measures, run.stopped or measures.missed(self.spec.slo)
 
-    def _goodput(self, trial: optuna.Trial, config: EngineConfig) -> float:
-        measures, missed = self._replay(config, self.spec.requests)
-        _record(trial, measures, self.spec.slo, missed)
-        return measures.goodput_rps
-
-    def _capacity(self, trial: optuna.Trial, config: EngineConfig) -> float:
-        """The SLOs are inside the objective: a trial that holds at some rate is feasible."""
+    def _capacity(self, config: EngineConfig, requests: Sequence[TraceRequest]) -> Scored:
+        """The SLOs are inside the objective: a config that holds at some rate is feasible."""
         misses: list[tuple[TrialMeasures, str]] = []
 
         def probe(factor: float) -> TrialMeasures | None:
-            measures, missed = self._replay(config, scale_arrivals(self.spec.requests, factor))
+            measures, missed = self._replay(config, scale_arrivals(requests, factor))
             if missed is not None:
                 misses.append((measures, missed))
                 return None
             return measures
 
         search = search_capacity(probe)
-        workload_rate = mean_rate(self.spec.requests)
+        workload_rate = mean_rate(requests)
         capacity = search.factor * workload_rate
-        trial.set_user_attr("capacity", {"rate_rps": capacity, "factor": search.factor,
-                                         "probes": len(search.probes),
-                                         "workload_rate_rps": workload_rate})
+        found = {"rate_rps": capacity, "factor": search.factor, "probes": len(search.probes),
+                 "workload_rate_rps": workload_rate}
         if search.at is None:
             measures, missed = misses[-1]
             lowest = search.probes[-1][0]
-            _record(trial, measures, self.spec.slo, f"misses the SLOs even at {lowest:.3g}x the "
-                    f"workload's rate ({lowest * workload_rate:.3g} req/s): {missed}")
-        else:
-            _record(trial, search.at, self.spec.slo, None)
-        return capacity
+            return Scored(capacity, measures, f"misses the SLOs even at {lowest:.3g}x the "
+                          f"workload's rate ({lowest * workload_rate:.3g} req/s): {missed}",
+                          found)
+        return Scored(capacity, search.at, None, found)
 
 
 def _record(trial: optuna.Trial, measures: TrialMeasures, slo: SLO, missed: str | None) -> None:
@@ -467,11 +697,10 @@ def _record(trial: optuna.Trial, measures: TrialMeasures, slo: SLO, missed: str 
     trial.set_user_attr("infeasible", missed)
 
 
-def _not_run(trial: optuna.Trial, reason: str) -> float:
+def _not_run(trial: optuna.Trial, reason: str) -> None:
     trial.set_user_attr("ran", False)
     _set_constraints(trial, [VIOLATION_CAP, VIOLATION_CAP])
     trial.set_user_attr("infeasible", " ".join(reason.split()))
-    return 0.0
 
 
 def _set_constraints(trial: optuna.Trial, violations: Sequence[float]) -> None:
@@ -490,28 +719,105 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+# ----------------------------------------------------------------------------- robustness
+
+
+def _robustness(spec: TuneSpec, study: optuna.Study, runner: TrialRunner,
+                prepared: EngineConfig, progress: Progress | None) -> list[Robustness]:
+    """The top `spec.robust_top` feasible configs on every variant of the workload. Results
+    are kept in the study (user attribute "robustness"), so a resumed study re-runs only
+    configs it has not checked yet."""
+    if not spec.variants or spec.robust_top <= 0:
+        return []
+    rows = [TrialRow.of(t) for t in study.get_trials(deepcopy=False)]
+    top = _distinct(sorted((r for r in rows if r.feasible and r.value is not None),
+                           key=lambda r: (-(r.value or 0.0), r.number)))[:spec.robust_top]
+    known = study.user_attrs.get("robustness", {})
+    labels = [v.label for v in spec.variants]
+    evaluator = _Evaluator(spec, runner, prepared)
+    for i, row in enumerate(top):
+        entry = known.get(str(row.number))
+        if entry is not None and sorted(entry["values"]) == sorted(labels):
+            continue
+        values, missed = {}, {}
+        for variant in spec.variants:
+            try:
+                scored = evaluator.score(evaluator.config(row.params), variant.requests)
+            except ValueError as exc:
+                values[variant.label], missed[variant.label] = 0.0, f"did not start: {exc}"
+                continue
+            values[variant.label] = scored.value
+            if scored.missed is not None:
+                missed[variant.label] = scored.missed
+        known[str(row.number)] = {"values": values, "missed": missed}
+        study.set_user_attr("robustness", known)
+        if progress is not None:
+            worst = min([row.value or 0.0, *values.values()])
+            progress.note(f"robustness {i + 1}/{len(top)} (#{row.number}): worst case "
+                     f"{worst:.4g} {OBJECTIVE_UNIT[spec.objective]} over "
+                     f"{len(values)} variants" + (f", missed the SLOs on {', '.join(missed)}"
+                                                 if missed else ""))
+    return [Robustness(r.number, r.value or 0.0, known[str(r.number)]["values"],
+                       known[str(r.number)]["missed"]) for r in top]
+
+
+def _distinct(rows: Sequence[TrialRow]) -> list[TrialRow]:
+    """The first row of each set of knobs (a retried or re-suggested config counts once)."""
+    seen: set[str] = set()
+    out = []
+    for row in rows:
+        key = json.dumps(row.params, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out
+
+
+def recommend(rows: Sequence[TrialRow], robustness: Sequence[Robustness]) -> TrialRow | None:
+    """The best worst case over the robustness re-runs (fewest variants missed first), or
+    without re-runs the study's best trial."""
+    if not robustness:
+        return best_row(rows)
+    chosen = max(robustness, key=lambda r: (r.key(), -r.number))
+    return next(r for r in rows if r.number == chosen.number)
+
+
 def best_row(rows: Sequence[TrialRow]) -> TrialRow | None:
     feasible = [r for r in rows if r.feasible and r.value is not None]
     return max(feasible, key=lambda r: (r.value, -r.number), default=None)
 
 
+def pareto_front(rows: Sequence[TrialRow]) -> list[TrialRow]:
+    """Feasible trials no other feasible trial beats on both output tokens/s and p99 TTFT,
+    by ascending p99 TTFT."""
+    points = [(r, r.value or 0.0, float(r.measures["p99_ttft_s"])) for r in rows
+              if r.feasible and r.measures is not None and r.measures.get("p99_ttft_s")
+              is not None]
+    front = [r for r, tps, ttft in points if not any(
+        t2 >= tps and f2 <= ttft and (t2 > tps or f2 < ttft) for _, t2, f2 in points)]
+    return sorted(_distinct(front), key=lambda r: (r.measures or {})["p99_ttft_s"])
+
+
+# ----------------------------------------------------------------------------- progress
+
+
 class _ProgressLine:
-    """One stderr line per trial: trial i/N, its result, best so far."""
+    """Each finished trial to the progress bar: its result and the study's best so far."""
 
     def __init__(self, spec: TuneSpec, progress: Progress) -> None:
-        self.total = str(spec.trials) if spec.trials is not None else f"{spec.timeout_s:g} s"
         self.progress = progress
-        self.done = 0
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        self.done += 1
         rows = [TrialRow.of(t) for t in study.get_trials(deepcopy=False, states=(
             TrialState.COMPLETE,))]
         best = best_row(rows)
         best_text = (f"best {value_text(best)} (#{best.number})" if best is not None
                      else "no feasible trial yet")
-        self.progress(f"trial {self.done}/{self.total} (#{trial.number}): "
-                      f"{describe_result(TrialRow.of(trial))} | {best_text}")
+        self.progress.finish(trial.number, describe_result(TrialRow.of(trial)), best_text)
+
+
+def _knob(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def describe_result(row: TrialRow) -> str:
@@ -527,13 +833,15 @@ def describe_result(row: TrialRow) -> str:
 
 
 def value_text(row: TrialRow) -> str:
-    """The objective's value for people: 'goodput 9.2 req/s' or
+    """The objective's value for people: 'goodput 9.2 req/s', 'throughput 812 tok/s' or
     'capacity 23.4 req/s (2.55x the workload's rate, 9 probes)'."""
     value = row.value or 0.0
-    if row.capacity is None:
-        return f"goodput {value:.4g} req/s"
-    return (f"capacity {value:.4g} req/s ({row.capacity['factor']:.3g}x the workload's rate, "
-            f"{row.capacity['probes']} probes)")
+    if row.capacity is not None:
+        return (f"capacity {value:.4g} req/s ({row.capacity['factor']:.3g}x the workload's "
+                f"rate, {row.capacity['probes']} probes)")
+    if row.objective == "pareto":
+        return f"throughput {value:.4g} tok/s"
+    return f"{row.objective} {value:.4g} {OBJECTIVE_UNIT.get(row.objective, 'req/s')}"
 
 
 def _s(seconds: float | None) -> str:
@@ -541,126 +849,3 @@ def _s(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "inf"
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
-
-
-# ----------------------------------------------------------------------------- outputs
-
-
-def write_outputs(spec: TuneSpec, outcome: StudyOutcome) -> list[Path]:
-    """best.yaml (only when a trial met both SLOs), trials.csv and report.md in spec.out_dir;
-    each file appears whole or not at all."""
-    files = {"trials.csv": trials_csv(spec, outcome.rows), "report.md": report_md(spec, outcome)}
-    if outcome.best is not None:
-        files = {"best.yaml": best_yaml(spec, outcome), **files}
-    spec.out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, text in files.items():
-        path = spec.out_dir / name
-        partial = path.with_name(f".{name}.partial")
-        partial.write_text(text, encoding="utf-8")
-        os.replace(partial, path)
-        paths.append(path)
-    return paths
-
-
-def engine_section(base: EngineConfig, params: dict[str, Any]) -> dict[str, Any]:
-    """The knobs `base` sets away from the defaults, plus the tuned ones."""
-    config = base.replace(**params)
-    defaults = EngineConfig().to_dict()
-    return {k: v for k, v in config.to_dict().items() if k in params or v != defaults[k]}
-
-
-def best_yaml(spec: TuneSpec, outcome: StudyOutcome) -> str:
-    best = outcome.best
-    assert best is not None
-    m = best.measures or {}
-    header = (f"# fairgate tune --mode {spec.mode}: study {outcome.study_name}, trial "
-              f"#{best.number}\n# {value_text(best)}, p99 TTFT "
-              f"{_s(m.get('p99_ttft_s'))} (SLO {_s(spec.slo.ttft_s)}), p99 ITL "
-              f"{_s(m.get('p99_itl_s'))} (SLO {_s(spec.slo.itl_s)})\n")
-    body = yaml.safe_dump({"engine": engine_section(spec.base, best.params)}, sort_keys=False)
-    return header + body
-
-
-CAPACITY_COLUMNS = ("factor", "probes")  # the rate factor at capacity, probes run to find it
-CSV_MEASURES = ("p99_ttft_s", "p99_ttft_ci", "p99_itl_s", "p99_itl_ci", "good_fraction",
-                "failed", "wall_s")
-
-
-def trials_csv(spec: TuneSpec, rows: Sequence[TrialRow]) -> str:
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    knobs = list(spec.space)
-    capacity = spec.objective == "capacity"
-    writer.writerow(["number", "state", "baseline", "ran", *knobs, f"{spec.objective}_rps",
-                     *(CAPACITY_COLUMNS if capacity else ()), *CSV_MEASURES, "infeasible"])
-    for row in rows:
-        m = row.measures or {}
-        writer.writerow([row.number, row.state, row.baseline, row.ran,
-                         *(row.params.get(k, "") for k in knobs),
-                         "" if row.value is None else f"{row.value:.6g}",
-                         *(_cell((row.capacity or {}).get(name, "")) for name in
-                           (CAPACITY_COLUMNS if capacity else ())),
-                         *(_cell(m.get(name)) for name in CSV_MEASURES), row.infeasible or ""])
-    return out.getvalue()
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, list):
-        return "..".join(_cell(v) for v in value)
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return "inf" if value is None else str(value)
-
-
-def report_md(spec: TuneSpec, outcome: StudyOutcome, top: int = 10) -> str:
-    rows = outcome.rows
-    feasible = sorted((r for r in rows if r.feasible), key=lambda r: -(r.value or 0))
-    lines = [f"# fairgate tune: study {outcome.study_name}", "",
-             f"- mode: {spec.mode}; objective: {spec.objective} ({OBJECTIVE_TEXT[spec.objective]})",
-             f"- workload: {spec.workload} ({len(spec.requests)} requests over "
-             f"{spec.requests[-1].arrival:.1f} s)",
-             f"- SLOs: p99 TTFT <= {_s(spec.slo.ttft_s)}, p99 ITL (TPOT) <= {_s(spec.slo.itl_s)}",
-             "- space: " + ", ".join(f"{k} {v}" for k, v in spec.space.describe().items()),
-             f"- trials: {len(rows)}, feasible: {len(feasible)}", ""]
-    lines += _best_vs_default(spec, outcome)
-    lines += ["", f"## Top {min(top, len(feasible))} feasible trials", ""]
-    lines += _table(spec, feasible[:top])
-    infeasible = [r for r in rows if not r.feasible]
-    if infeasible:
-        lines += ["", "## Infeasible trials", ""] + [
-            f"- #{r.number}: {r.infeasible or r.state.lower()}" for r in infeasible]
-    return "\n".join(lines) + "\n"
-
-
-def _best_vs_default(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
-    if outcome.best is None:
-        return ["**No trial met both SLOs**: no best.yaml was written. Loosen the SLOs, widen "
-                "the space or lower the rate."]
-    shown = [r for r in (outcome.best, outcome.default) if r is not None]
-    return ["## Best vs default", ""] + _table(spec, shown, names=("best", "default"))
-
-
-def _table(spec: TuneSpec, rows: Sequence[TrialRow], names: Sequence[str] = ()) -> list[str]:
-    knobs = list(spec.space)
-    extra = CAPACITY_COLUMNS[:1] if spec.objective == "capacity" else ()  # the rate factor
-    cols = [*([""] if names else []), "trial", *knobs, f"{spec.objective} req/s",
-            *(f"rate {name}" for name in extra), "p99 TTFT (95% CI)", "p99 ITL (95% CI)",
-            "result"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    for i, row in enumerate(rows):
-        m = row.measures or {}
-        label = [names[i]] if names else []
-        cells = [*label, f"#{row.number}", *(str(row.params.get(k, "")) for k in knobs),
-                 f"{row.value or 0:.4g}", *(_cell((row.capacity or {}).get(n)) for n in extra),
-                 _with_ci(m, "p99_ttft"), _with_ci(m, "p99_itl"),
-                 "feasible" if row.feasible else (row.infeasible or row.state.lower())]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def _with_ci(m: dict[str, Any], name: str) -> str:
-    if f"{name}_s" not in m:
-        return "-"
-    low, high = m.get(f"{name}_ci") or (None, None)
-    return f"{_s(m[f'{name}_s'])} ({_s(low)}..{_s(high)})"

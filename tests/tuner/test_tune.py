@@ -43,7 +43,7 @@ def test_sim_study_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     rows = read_trials(tmp_path)
     assert [r["number"] for r in rows] == ["0", "1", "2", "3"]
     default = rows[0]  # the base config, enqueued first
-    assert default["baseline"] == "True" and default["ran"] == "True"
+    assert default["baseline"] == "default" and default["ran"] == "True"
     assert (default["max_num_batched_tokens"], default["max_num_seqs"],
             default["max_model_len"], default["memory_fraction"]) == ("2048", "64", "4096", "0.9")
     assert default["infeasible"] == "" and float(default["goodput_rps"]) > 0
@@ -53,11 +53,12 @@ def test_sim_study_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert best.max_num_seqs == int(winner["max_num_seqs"])
     assert best.max_num_batched_tokens == int(winner["max_num_batched_tokens"])
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "## Best vs default" in report and "p99 TTFT <= 500.0 ms" in report
+    assert "## Recommended vs default" in report and "p99 TTFT <= 500.0 ms" in report
     err = capsys.readouterr().err
-    assert [line.split(" (")[0] for line in err.splitlines() if line.startswith("trial ")] == [
+    ended = [line for line in err.splitlines() if line.startswith("trial ") and "running" not in line]
+    assert [line.split(" (")[0] for line in ended] == [
         "trial 1/4", "trial 2/4", "trial 3/4", "trial 4/4"]
-    assert "best " in err.splitlines()[-2]
+    assert all("| best " in line for line in ended)
 
 
 def _best_number(tmp_path: Path) -> str:
@@ -97,10 +98,10 @@ def test_an_impossible_slo_leaves_every_trial_infeasible(
 
 def test_study_resumes(tmp_path: Path) -> None:
     assert tune(tmp_path, "--trials", "3", study="resume") == 0
-    assert tune(tmp_path, "--trials", "2", study="resume") == 0
+    assert tune(tmp_path, "--trials", "5", study="resume") == 0  # the study's size: 2 more
     rows = read_trials(tmp_path)
     assert [r["number"] for r in rows] == ["0", "1", "2", "3", "4"]
-    assert [r["baseline"] for r in rows].count("True") == 1
+    assert [r["baseline"] for r in rows].count("default") == 1
     params = {(r["max_num_batched_tokens"], r["max_num_seqs"], r["max_model_len"],
                r["memory_fraction"]) for r in rows}
     assert len(params) == 5  # the resumed sampler did not replay the first run's samples
@@ -118,7 +119,13 @@ def test_resuming_with_other_options_is_refused(
 BAD_INPUTS = [
     (["--mode", "shadow"], None, "--mode shadow is not built yet"),
     (["--mode", "simm"], None, "did you mean sim?"),
-    (["--objective", "pareto"], None, "--objective pareto is not built yet"),
+    (["--objective", "paretto"], None, "did you mean pareto?"),
+    (["--baseline", "vllm"], None, "--baseline must be one of"),
+    (["--baseline", "vllm-grid", "--trials", "5"], None, "--trials must be at least 9"),
+    (["--baseline", "vllm-grid"], "max_num_seqs: {low: 8, high: 64}\n",
+     "add max_num_batched_tokens to the space"),
+    (["--workers", "0"], None, "--workers must be a positive integer"),
+    (["--robustness", "-1"], None, "--robustness must be in [0, 16]"),
     (["--set", "max_num_seq=8"], None, "did you mean max_num_seqs?"),
     (["--trials", "0"], None, "--trials must be a positive integer"),
     ([], "max_num_seq: {low: 8, high: 64}\n", "did you mean max_num_seqs?"),

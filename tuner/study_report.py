@@ -1,0 +1,237 @@
+"""What `fairgate tune` writes to --out: best.yaml, trials.csv, report.md and report.html.
+
+best.yaml is the recommendation (the best worst case over the robustness re-runs, or the
+study's best without them) as an `engine:` section that `fairgate engine -c` and
+`fairgate serve -c` load as it is. The reports compare it with the base config and, with
+`--baseline vllm-grid`, with the best of vLLM auto_tune's 8 configs.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+
+from engine.config import EngineConfig
+from tuner.study import (
+    OBJECTIVE_TEXT,
+    OBJECTIVE_UNIT,
+    StudyOutcome,
+    TrialRow,
+    TuneSpec,
+    _s,
+    best_row,
+    value_text,
+)
+
+
+def write_outputs(spec: TuneSpec, outcome: StudyOutcome,
+                  study: optuna.Study | None = None) -> list[Path]:
+    """best.yaml (only when a trial met both SLOs), trials.csv, report.md and report.html in
+    spec.out_dir; each file appears whole or not at all."""
+    files = {"trials.csv": trials_csv(spec, outcome.rows), "report.md": report_md(spec, outcome)}
+    if outcome.best is not None:
+        files = {"best.yaml": best_yaml(spec, outcome), **files}
+    spec.out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in files.items():
+        path = spec.out_dir / name
+        partial = path.with_name(f".{name}.partial")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+        paths.append(path)
+    return paths
+
+
+def engine_section(base: EngineConfig, params: dict[str, Any]) -> dict[str, Any]:
+    """The knobs `base` sets away from the defaults, plus the tuned ones."""
+    config = base.replace(**params)
+    defaults = EngineConfig().to_dict()
+    return {k: v for k, v in config.to_dict().items() if k in params or v != defaults[k]}
+
+
+def best_yaml(spec: TuneSpec, outcome: StudyOutcome) -> str:
+    best = outcome.best
+    assert best is not None
+    m = best.measures or {}
+    header = (f"# fairgate tune --mode {spec.mode}: study {outcome.study_name}, trial "
+              f"#{best.number}\n# {value_text(best)}, p99 TTFT "
+              f"{_s(m.get('p99_ttft_s'))} (SLO {_s(spec.slo.ttft_s)}), p99 ITL "
+              f"{_s(m.get('p99_itl_s'))} (SLO {_s(spec.slo.itl_s)})\n")
+    body = yaml.safe_dump({"engine": engine_section(spec.base, best.params)}, sort_keys=False)
+    return header + body
+
+
+CAPACITY_COLUMNS = ("factor", "probes")  # the rate factor at capacity, probes run to find it
+CSV_MEASURES = ("p99_ttft_s", "p99_ttft_ci", "p99_itl_s", "p99_itl_ci", "good_fraction",
+                "output_tokens_per_s", "failed", "wall_s")
+
+
+def value_column(spec: TuneSpec) -> str:
+    """trials.csv's objective column: goodput_rps, capacity_rps or throughput_tok_s."""
+    if spec.objective == "pareto":
+        return "throughput_tok_s"
+    return f"{spec.objective}_rps"
+
+
+def trials_csv(spec: TuneSpec, rows: Sequence[TrialRow]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    knobs = list(spec.space)
+    capacity = spec.objective == "capacity"
+    writer.writerow(["number", "state", "baseline", "ran", *knobs, value_column(spec),
+                     *(CAPACITY_COLUMNS if capacity else ()), *CSV_MEASURES, "retried_from",
+                     "infeasible"])
+    for row in rows:
+        m = row.measures or {}
+        writer.writerow([row.number, row.state, row.baseline or "", row.ran,
+                         *(row.params.get(k, "") for k in knobs),
+                         "" if row.value is None else f"{row.value:.6g}",
+                         *(_cell((row.capacity or {}).get(name, "")) for name in
+                           (CAPACITY_COLUMNS if capacity else ())),
+                         *(_cell(m.get(name)) for name in CSV_MEASURES),
+                         "" if row.retried_from is None else row.retried_from,
+                         row.infeasible or ""])
+    return out.getvalue()
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, list):
+        return "..".join(_cell(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return "inf" if value is None else str(value)
+
+
+def report_md(spec: TuneSpec, outcome: StudyOutcome, top: int = 10) -> str:
+    rows = outcome.rows
+    feasible = sorted((r for r in rows if r.feasible), key=lambda r: -(r.value or 0))
+    retried = [r for r in rows if r.retried_from is not None]
+    lines = [f"# fairgate tune: study {outcome.study_name}", "",
+             f"- mode: {spec.mode}; objective: {spec.objective} ({OBJECTIVE_TEXT[spec.objective]})",
+             f"- workload: {spec.workload} ({len(spec.requests)} requests over "
+             f"{spec.requests[-1].arrival:.1f} s)",
+             f"- SLOs: p99 TTFT <= {_s(spec.slo.ttft_s)}, p99 ITL (TPOT) <= {_s(spec.slo.itl_s)}",
+             "- space: " + ", ".join(f"{k} {v}" for k, v in spec.space.describe().items()),
+             f"- trials: {len(rows)}, feasible: {len(feasible)}"
+             + (f", re-run after a worker stopped: {len(retried)}" if retried else ""), ""]
+    lines += _comparison(spec, outcome)
+    lines += _robustness_md(spec, outcome)
+    if spec.multi_objective and outcome.front:
+        lines += ["", f"## Pareto front ({len(outcome.front)} trials: output tokens/s against "
+                  "p99 TTFT, both SLOs met)", ""]
+        lines += _table(spec, outcome.front)
+    lines += ["", f"## Top {min(top, len(feasible))} feasible trials", ""]
+    lines += _table(spec, feasible[:top])
+    infeasible = [r for r in rows if not r.feasible]
+    if infeasible:
+        lines += ["", "## Infeasible trials", ""] + [
+            f"- #{r.number}: {r.infeasible or r.state.lower()}" for r in infeasible]
+    return "\n".join(lines) + "\n"
+
+
+def comparison_rows(outcome: StudyOutcome) -> list[tuple[str, TrialRow]]:
+    """(name, row): the recommendation, the study's top trial when that differs, the default
+    and the best of the vLLM grid."""
+    shown: list[tuple[str, TrialRow]] = []
+    if outcome.best is not None:
+        shown.append(("recommended", outcome.best))
+    top = outcome.top
+    if top is not None and outcome.best is not None and top.number != outcome.best.number:
+        shown.append(("study's best", top))
+    if outcome.default is not None:
+        shown.append(("default", outcome.default))
+    grid_best = best_row(outcome.grid) or next(iter(outcome.grid), None)
+    if grid_best is not None:
+        shown.append((f"best of vLLM grid ({grid_best.baseline})", grid_best))
+    return shown
+
+
+def margin_text(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
+    """How far the recommendation is ahead of the default and of the vLLM grid's best."""
+    best = outcome.best
+    if best is None or not best.value:
+        return []
+    unit = OBJECTIVE_UNIT[spec.objective]
+    lines = []
+    for name, other in (("the default", outcome.default), ("the best vLLM grid config",
+                                                          best_row(outcome.grid))):
+        if other is None:
+            if name != "the default" and outcome.grid:
+                lines.append(f"- none of vLLM's {len(outcome.grid)} grid configs met both SLOs")
+            continue
+        if not other.feasible:
+            lines.append(f"- {name} (#{other.number}) missed the SLOs ({other.infeasible})")
+        elif other.value:
+            lines.append(f"- {best.value / other.value:.2f}x {name} (#{other.number}): "
+                         f"{best.value:.4g} against {other.value:.4g} {unit}")
+    return lines
+
+
+def _comparison(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
+    if outcome.best is None:
+        return ["**No trial met both SLOs**: no best.yaml was written. Loosen the SLOs, widen "
+                "the space or lower the rate."]
+    shown = comparison_rows(outcome)
+    lines = ["## Recommended vs default" + (" vs vLLM grid" if outcome.grid else ""), ""]
+    lines += _table(spec, [r for _, r in shown], names=[n for n, _ in shown])
+    margins = margin_text(spec, outcome)
+    return lines + ([""] + margins if margins else [])
+
+
+def _robustness_md(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
+    if not outcome.robustness:
+        return []
+    unit = OBJECTIVE_UNIT[spec.objective]
+    labels = [v.label for v in spec.variants]
+    lines = ["", f"## Robustness: the top {len(outcome.robustness)} configs on other slices "
+             "and seeds of the workload", "",
+             "The recommendation is the best worst case (configs that missed the SLOs on a "
+             "variant rank last).", "",
+             "| trial | study | " + " | ".join(labels) + " | worst | moved |",
+             "|" + " --- |" * (len(labels) + 4)]
+    for r in outcome.robustness:
+        cells = [f"#{r.number}", f"{r.value:.4g}"] + [
+            f"{r.values.get(label, 0.0):.4g}" + (" (missed)" if label in r.missed else "")
+            for label in labels] + [f"{r.worst:.4g} {unit}", f"{r.moved:+.1%}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    best = outcome.best
+    chosen = next((r for r in outcome.robustness if best and r.number == best.number), None)
+    if chosen is not None:
+        lines += ["", f"The recommended trial #{chosen.number}'s objective moved "
+                  f"{chosen.moved:+.1%} from the study's workload to its worst variant."]
+        for label, why in chosen.missed.items():
+            lines.append(f"- on {label} it missed the SLOs: {why}")
+    return lines
+
+
+def _table(spec: TuneSpec, rows: Sequence[TrialRow], names: Sequence[str] = ()) -> list[str]:
+    knobs = list(spec.space)
+    extra = CAPACITY_COLUMNS[:1] if spec.objective == "capacity" else ()  # the rate factor
+    cols = [*([""] if names else []), "trial", *knobs,
+            f"{spec.objective} {OBJECTIVE_UNIT[spec.objective]}",
+            *(f"rate {name}" for name in extra), "p99 TTFT (95% CI)", "p99 ITL (95% CI)",
+            "result"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for i, row in enumerate(rows):
+        m = row.measures or {}
+        label = [names[i]] if names else []
+        cells = [*label, f"#{row.number}", *(str(row.params.get(k, "")) for k in knobs),
+                 f"{row.value or 0:.4g}", *(_cell((row.capacity or {}).get(n)) for n in extra),
+                 _with_ci(m, "p99_ttft"), _with_ci(m, "p99_itl"),
+                 "feasible" if row.feasible else (row.infeasible or row.state.lower())]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _with_ci(m: dict[str, Any], name: str) -> str:
+    if f"{name}_s" not in m:
+        return "-"
+    low, high = m.get(f"{name}_ci") or (None, None)
+    return f"{_s(m[f'{name}_s'])} ({_s(low)}..{_s(high)})"
