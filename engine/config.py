@@ -68,6 +68,9 @@ class EngineConfig:
     sim_hardware: str = "h100"
     sim_model: str = "llama-3-8b"
     sim_clock: str = "virtual"
+    # a `fairgate tune calibrate` profile (engine/sim_profile.py): step times and KV capacity
+    # fitted to a real engine instead of sim_hardware's roofline
+    sim_profile: str | None = None
     # engine-side admission (server)
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 4_000_000
@@ -92,6 +95,8 @@ class EngineConfig:
         if self.device_memory_gb is not None:
             check_number("device_memory_gb", self.device_memory_gb, low=0, open_low=True)
         check_number("memory_fraction", self.memory_fraction, low=0, high=1, open_low=True)
+        if self.sim_profile is not None:
+            _check_sim_profile(self.sim_profile)
         self._check_combinations()
 
     def _check_combinations(self) -> None:
@@ -124,6 +129,8 @@ class EngineConfig:
     def context_source(self) -> str:
         """Where the model's context length comes from, for messages."""
         if self.executor == "sim":
+            if self.sim_profile is not None:
+                return f"sim_profile {self.sim_profile}"
             return f"sim_model {self.sim_model}"
         if self.model.startswith("random:"):
             return f"the {self.model} preset"
@@ -165,6 +172,18 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _check_sim_profile(path: object) -> None:
+    from engine.sim_profile import load_profile  # reads YAML: only configs that name a profile
+
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"sim_profile must be the path of a calibration profile, got {path!r}")
+    try:
+        load_profile(path)
+    except ValueError as error:
+        raise ValueError(f"sim_profile: {error}; write one with `fairgate tune calibrate "
+                         "--out FILE`") from None
 
 
 KNOBS = tuple(f.name for f in dataclasses.fields(EngineConfig))

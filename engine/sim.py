@@ -17,6 +17,9 @@ Memory is modelled the way a GPU engine (vLLM) sizes its KV cache, so `memory_fr
   runs out of memory, as vLLM users see with a high gpu_memory_utilization.
 
 Both failures raise `OutOfMemory` (a ValueError) naming the knobs, before any request runs.
+
+With `sim_profile` set, step times and the KV capacity come from a calibration profile of a real
+engine instead (engine/sim_profile.py, written by `fairgate tune calibrate`).
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.clock import Clock, RealClock
 from engine.config import EngineConfig
 from engine.executor import KVCapacity, ModelOutput
 from engine.presets import ModelShape, model_preset
 from engine.scheduler import SchedulerOutput
+from engine.sim_profile import load_profile
 from engine.tokenizer import ByteTokenizer, Tokenizer
 
 GIB = 1 << 30
@@ -160,6 +165,14 @@ class CostModel:
         return KVCapacity(num_blocks, num_host, bytes_per_block)
 
 
+class StepCostModel(Protocol):
+    """What SimExecutor asks of a cost model: `CostModel`'s roofline or a `SimProfile`."""
+
+    def step_time(self, plan: SchedulerOutput) -> float: ...
+
+    def kv_capacity(self, config: EngineConfig) -> KVCapacity: ...
+
+
 class SimExecutor:
     """Executor that samples deterministic printable tokens and reports modelled step times."""
 
@@ -167,16 +180,21 @@ class SimExecutor:
         self.shape = model_preset(config.sim_model)
         self.cost = CostModel(self.shape, HARDWARE_PRESETS[config.sim_hardware],
                               kv_dtype_bytes=1.0 if config.kv_cache_dtype == "int8" else 2.0)
+        # what times the steps and sizes the cache: the roofline, or a calibration profile
+        self.step_model: StepCostModel = self.cost
+        self.max_position = self.shape.max_position
+        if config.sim_profile is not None:
+            profile = load_profile(config.sim_profile)
+            self.step_model, self.max_position = profile, profile.max_position
         self.clock = clock or RealClock()
         self.realtime = config.sim_clock == "realtime"
         self.tokenizer: Tokenizer = ByteTokenizer(vocab_size=max(self.shape.vocab_size, 258))
         self.vocab_size = self.tokenizer.vocab_size
         self.eos_token_ids = self.tokenizer.eos_token_ids
-        self.max_position = self.shape.max_position
         self.seed = config.seed
 
     def plan_kv_capacity(self, config: EngineConfig) -> KVCapacity:
-        return self.cost.kv_capacity(config)
+        return self.step_model.kv_capacity(config)
 
     def allocate_kv_cache(self, config: EngineConfig, capacity: KVCapacity) -> None:
         pass  # nothing to hold
@@ -185,7 +203,7 @@ class SimExecutor:
         started = time.monotonic()
         sampled = {s.request.request_id: self._token(s.request.request_id, s.request.num_tokens)
                    for s in plan.requests if s.samples}
-        step_time = self.cost.step_time(plan)
+        step_time = self.step_model.step_time(plan)
         if self.realtime:
             self.clock.sleep(step_time - (time.monotonic() - started))
         else:

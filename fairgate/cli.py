@@ -2,8 +2,9 @@
 that needs no more than its own package (`bench`) lives with that package.
 
 Subcommand modules are imported lazily so `fairgate tenants list` never pays for torch.
-Each module exposes `register(parser)` (add its arguments) and `run(args) -> int`. Before
-anything else, `fairgate.guard` checks that fairgate's import names are fairgate's own.
+Each module exposes `register(parser)` (add its arguments) and `run(args) -> int`. A nested
+command (`fairgate tune calibrate`) is a module of its own, chosen when its two words come first.
+Before anything else, `fairgate.guard` checks that fairgate's import names are fairgate's own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tenants": ("fairgate.tenants_cli", "create, list, update, delete, import, export tenants"),
     "keys": ("fairgate.keys_cli", "create, list, revoke API keys"),
     "bench": ("tuner.bench_cli", "load test an OpenAI-compatible endpoint"),
-    "tune": ("fairgate.tune_cli", "search engine knobs with Optuna against p99 SLOs"),
+    "tune": ("fairgate.tune_cli", "search engine knobs with Optuna against p99 SLOs "
+             "(`fairgate tune calibrate`: fit the simulator's step times to the real engine)"),
+}
+# (command, subcommand) -> (module, one-line help)
+NESTED: dict[tuple[str, str], tuple[str, str]] = {
+    ("tune", "calibrate"): ("fairgate.calibrate_cli",
+                            "fit the simulator's step times to the real engine (--sim-profile)"),
 }
 
 
@@ -36,18 +43,39 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _nested(argv: list[str]) -> tuple[str, str, str, list[str]] | None:
+    """(name, module, help, the rest of argv) when argv's first word and the word right after it
+    name a nested command (`tune calibrate`; not `tune --workload calibrate`)."""
+    first = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if first is None or first + 1 >= len(argv):
+        return None
+    entry = NESTED.get((argv[first], argv[first + 1]))
+    if entry is None:
+        return None
+    return f"{argv[first]} {argv[first + 1]}", *entry, argv[first + 2:]
+
+
 def main(argv: list[str] | None = None) -> int:
     shadowed = guard.check()
     if shadowed is not None:
         print(shadowed, file=sys.stderr)
         return 2
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
-    if not args.command:
-        parser.print_help()
-        return 2
-    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    nested = _nested(argv)
+    if nested is not None:
+        name, module_name, help_text, rest = nested
+        module = importlib.import_module(module_name)
+        parser = argparse.ArgumentParser(prog=f"fairgate {name}", description=help_text)
+        module.register(parser)
+        args = parser.parse_args(rest)
+        args.command = name
+    else:
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        if not args.command:
+            parser.print_help()
+            return 2
+        module = importlib.import_module(SUBCOMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)
     except (ValueError, OSError) as exc:  # bad input, missing files, a port already in use

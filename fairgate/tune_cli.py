@@ -2,6 +2,7 @@
 
     fairgate tune --mode sim | replay --url URL | launch --command '...{port}...{knob}...'
                   [--api-key KEY] [--launch-timeout S] [-c fairgate.yaml] [--set KNOB=VALUE]
+                  [--sim-profile FILE]
                   (--workload NAME | --trace FILE | --workload-file F) [--rate R] [--duration S]
                   [--slo-ttft-p99 S] [--slo-itl-p99 S] [--objective goodput|capacity|pareto]
                   [--space space.yaml] [--baseline vllm-grid] [--robustness K] [--robust-top N]
@@ -80,6 +81,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "`database` the default study storage")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KNOB=VALUE", help="override one base engine knob (YAML value)")
+    parser.add_argument("--sim-profile", metavar="FILE", help="sim: step times and KV size "
+                        "from a `fairgate tune calibrate` profile (the same as --set "
+                        "sim_profile=FILE)")
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--workload", metavar="NAME", help=f"a named workload: {', '.join(WORKLOADS)}")
     src.add_argument("--trace", metavar="FILE", help="a trace file (azure CSV, mooncake or "
@@ -140,7 +144,10 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
     slo = SLO(ttft_s=_slo("--slo-ttft-p99", args.slo_ttft_p99, defaults.get("ttft")),
               itl_s=_slo("--slo-itl-p99", args.slo_itl_p99, defaults.get("itl")))
     runner = runner_options(mode, args)
-    base = build_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.sim_profile is not None:
+        overrides.append(f"sim_profile={args.sim_profile}")
+    base = build_config(args.config, overrides)
     space = load_space_file(args.space) if args.space else default_space(
         base, RUNNERS[mode](runner).prepare(base))
     if not (args.workload or args.trace or args.workload_file):

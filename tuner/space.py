@@ -121,8 +121,13 @@ class Space(Mapping[str, Dimension]):
 
 def context_length(config: EngineConfig) -> int | None:
     """The model's context length when it is known without loading it: the sim model's or the
-    random:<preset>'s; None for a checkpoint (read from its config.json at start)."""
+    random:<preset>'s (or a sim_profile's); None for a checkpoint (read from its config.json
+    at start)."""
     if config.executor == "sim":
+        if config.sim_profile is not None:
+            from engine.sim_profile import load_profile
+
+            return load_profile(config.sim_profile).max_position
         return model_preset(config.sim_model).max_position
     if config.model.startswith("random:"):
         return model_preset(config.model.removeprefix("random:")).max_position
@@ -131,20 +136,46 @@ def context_length(config: EngineConfig) -> int | None:
 
 def default_space(base: EngineConfig, run_as: EngineConfig | None = None) -> Space:
     """The four knobs of the issue, each range holding the base config's value. max_model_len
-    goes up to the smallest known context of `base` and of `run_as` (the config a runner
-    actually runs, e.g. the simulator's sim_model), so the winner starts on both."""
+    goes up to the smallest known context of `base`'s model and of `run_as` (the config a
+    runner actually runs, e.g. the simulator's sim_model), so the winner starts on both, and,
+    when `run_as` is simulated, no further than the most KV the space's roomiest corner leaves
+    (a longer max_model_len could never start). A checkpoint's context is unknown before it
+    loads: then the base's own max_model_len is the top."""
     dims: list[tuple[str, Dimension]] = [
         ("max_num_batched_tokens", _log_ints(256, 16384, base.max_num_batched_tokens)),
         ("max_num_seqs", _log_ints(8, 512, base.max_num_seqs)),
     ]
-    known = [c for c in (base.max_model_len or context_length(base),
+    fraction = FloatRange(min(0.7, base.memory_fraction), max(0.95, base.memory_fraction),
+                          step=0.01)
+    known = [c for c in (context_length(base) or base.max_model_len,
                          None if run_as is None else context_length(run_as)) if c is not None]
     if known:
         context = min(known)
-        dims.append(("max_model_len", _log_ints(min(1024, context), context, context)))
-    fraction = base.memory_fraction
-    dims.append(("memory_fraction", FloatRange(min(0.7, fraction), max(0.95, fraction))))
+        if run_as is not None and run_as.executor == "sim":
+            context = min(context, max(_sim_kv_tokens(run_as, dims, fraction), 1024))
+        base_len = base.max_model_len or context
+        dims.append(("max_model_len", _log_ints(min(1024, context), context, base_len)))
+    dims.append(("memory_fraction", fraction))
     return Space(tuple(dims))
+
+
+def _sim_kv_tokens(run_as: EngineConfig, dims: list[tuple[str, Dimension]],
+                   fraction: FloatRange) -> int:
+    """KV tokens the simulated device holds at the space's roomiest corner: the highest
+    memory_fraction with the smallest token budget and sequence count."""
+    from engine.sim import SimExecutor
+    from engine.sim_profile import load_profile
+
+    if run_as.sim_profile is not None:  # the profiled engine's cache, whatever the knobs
+        return load_profile(run_as.sim_profile).kv_tokens
+    lows = {knob: dim.low for knob, dim in dims if isinstance(dim, IntRange)}
+    config = run_as.replace(memory_fraction=fraction.high, max_model_len=1, **lows)
+    try:
+        executor = SimExecutor(config)
+    except ValueError:
+        return 0
+    plan = executor.cost.memory_plan(config)
+    return int(max(plan.kv, 0) // executor.cost.kv_bytes_per_token)
 
 
 def _log_ints(low: int, high: int, base: int) -> IntRange:

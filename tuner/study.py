@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -430,13 +431,21 @@ Progress = ProgressBar  # tuner.progress: a bar on a terminal, one line per even
 def open_storage(spec: TuneSpec) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage on the study's URL, with heartbeats: a trial whose worker stopped
     beating for two intervals is failed and re-run once, with the same knobs."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(
-            optuna_storage_url(spec.storage), heartbeat_interval=spec.heartbeat_s,
-            grace_period=2 * spec.heartbeat_s,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-                max_retry=1))
+    from sqlalchemy.exc import SQLAlchemyError
+
+    url = optuna_storage_url(spec.storage)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(
+                url, heartbeat_interval=spec.heartbeat_s, grace_period=2 * spec.heartbeat_s,
+                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                    max_retry=1))
+    except (SQLAlchemyError, ImportError) as exc:
+        cause = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        hint = "; does its directory exist?" if url.startswith("sqlite") else ""
+        raise ValueError(f"--storage {spec.storage}: cannot open the database ({cause}){hint}") \
+            from None
 
 
 def run_study(spec: TuneSpec, progress: Progress | None = None) -> StudyOutcome:
@@ -447,8 +456,7 @@ def run_study(spec: TuneSpec, progress: Progress | None = None) -> StudyOutcome:
 
     runner = _runner(spec, 0)
     prepared = runner.prepare(spec.base)
-    storage = open_storage(spec)
-    study = _open_study(spec, prepared, storage)
+    study = _open_study(spec, prepared, open_storage(spec))
     if progress is not None:
         earlier = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         progress.started = progress.done = earlier
@@ -523,7 +531,7 @@ def _optimize(spec: TuneSpec, study: optuna.Study, runner: TrialRunner, prepared
         if n_trials <= 0:
             return
         callbacks.append(optuna.study.MaxTrialsCallback(spec.trials))
-    evaluate = _Evaluator(spec, runner, prepared, progress)
+    evaluate = _Evaluator(spec, runner, prepared, progress, worker)
     if progress is not None:
         callbacks.append(_ProgressLine(spec, progress))
     with warnings.catch_warnings():
@@ -534,16 +542,25 @@ def _optimize(spec: TuneSpec, study: optuna.Study, runner: TrialRunner, prepared
                        callbacks=callbacks, gc_after_trial=False)
 
 
+WORKER_START_S = 120.0  # how long the first worker waits for the others to load the study
+
+
 def _start_workers(spec: TuneSpec) -> list[Any]:
-    """Workers 1..N-1 as processes (spawned: no state shared but the storage)."""
+    """Workers 1..N-1 as processes (spawned: no state shared but the storage). Returns once
+    each has loaded the study (or WORKER_START_S passed), so all start sampling together."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
-    children = [context.Process(target=_worker_main, args=(spec, worker), daemon=True,
-                                name=f"fairgate-tune-worker-{worker}")
+    ready = [context.Event() for _ in range(1, spec.workers)]
+    children = [context.Process(target=_worker_main, args=(spec, worker, ready[worker - 1]),
+                                daemon=True, name=f"fairgate-tune-worker-{worker}")
                 for worker in range(1, spec.workers)]
     for child in children:
         child.start()
+    for child, event in zip(children, ready, strict=True):
+        deadline = time.monotonic() + WORKER_START_S
+        while not event.wait(0.1) and child.is_alive() and time.monotonic() < deadline:
+            pass
     return children
 
 
@@ -553,11 +570,12 @@ def _join_workers(children: Sequence[Any]) -> int:
     return sum(child.exitcode != 0 for child in children)
 
 
-def _worker_main(spec: TuneSpec, worker: int) -> None:
+def _worker_main(spec: TuneSpec, worker: int, ready: Any) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     runner = _runner(spec, worker)
     prepared = runner.prepare(spec.base)
     study = optuna.load_study(study_name=spec.study_name, storage=open_storage(spec))
+    ready.set()
     _optimize(spec, study, runner, prepared, worker, progress=None)
 
 
@@ -613,13 +631,15 @@ class _Evaluator:
     """The objective: one trial, never raising for a config that cannot run."""
 
     def __init__(self, spec: TuneSpec, runner: TrialRunner, prepared: EngineConfig,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, worker: int = 0) -> None:
         self.spec, self.runner, self.prepared = spec, runner, prepared
-        self.progress = progress
+        self.progress, self.worker = progress, worker
         self.stop = early_stop(len(spec.requests), spec.slo)
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        _beat(trial)
         trial.set_user_attr("objective", self.spec.objective)
+        trial.set_user_attr("worker", self.worker)
         params = self.spec.space.suggest(trial)
         if self.progress is not None:
             self.progress.start(trial.number, ", ".join(f"{k}={_knob(v)}"
@@ -688,6 +708,15 @@ class _Evaluator:
                           f"workload's rate ({lowest * workload_rate:.3g} req/s): {missed}",
                           found)
         return Scored(capacity, search.at, None, found)
+
+
+def _beat(trial: optuna.Trial) -> None:
+    """The trial's first heartbeat, now: Optuna's heartbeat thread records it asynchronously,
+    and a worker killed before that leaves a trial no heartbeat check ever finds stale (never
+    retried, RUNNING forever). Optuna has no public handle for this (study and trial id)."""
+    storage = trial.study._storage
+    if isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval():
+        storage.record_heartbeat(trial._trial_id)
 
 
 def _record(trial: optuna.Trial, measures: TrialMeasures, slo: SLO, missed: str | None) -> None:
@@ -789,8 +818,9 @@ def best_row(rows: Sequence[TrialRow]) -> TrialRow | None:
 
 def pareto_front(rows: Sequence[TrialRow]) -> list[TrialRow]:
     """Feasible trials no other feasible trial beats on both output tokens/s and p99 TTFT,
-    by ascending p99 TTFT."""
-    points = [(r, r.value or 0.0, float(r.measures["p99_ttft_s"])) for r in rows
+    by ascending p99 TTFT (one per set of knobs)."""
+    points = [(r, float(r.measures.get("output_tokens_per_s") or 0.0),
+               float(r.measures["p99_ttft_s"])) for r in rows
               if r.feasible and r.measures is not None and r.measures.get("p99_ttft_s")
               is not None]
     front = [r for r, tps, ttft in points if not any(

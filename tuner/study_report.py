@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,14 +20,17 @@ import optuna
 import yaml
 
 from engine.config import EngineConfig
+from tuner import report_html as html
 from tuner.study import (
     OBJECTIVE_TEXT,
     OBJECTIVE_UNIT,
+    VIOLATION_CAP,
     StudyOutcome,
     TrialRow,
     TuneSpec,
     _s,
     best_row,
+    pareto_front,
     value_text,
 )
 
@@ -35,7 +39,8 @@ def write_outputs(spec: TuneSpec, outcome: StudyOutcome,
                   study: optuna.Study | None = None) -> list[Path]:
     """best.yaml (only when a trial met both SLOs), trials.csv, report.md and report.html in
     spec.out_dir; each file appears whole or not at all."""
-    files = {"trials.csv": trials_csv(spec, outcome.rows), "report.md": report_md(spec, outcome)}
+    files = {"trials.csv": trials_csv(spec, outcome.rows), "report.md": report_md(spec, outcome),
+             "report.html": report_html(spec, outcome, study)}
     if outcome.best is not None:
         files = {"best.yaml": best_yaml(spec, outcome), **files}
     spec.out_dir.mkdir(parents=True, exist_ok=True)
@@ -166,7 +171,9 @@ def margin_text(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
             if name != "the default" and outcome.grid:
                 lines.append(f"- none of vLLM's {len(outcome.grid)} grid configs met both SLOs")
             continue
-        if not other.feasible:
+        if other.number == best.number:
+            lines.append(f"- {name} (#{other.number}) is the recommendation")
+        elif not other.feasible:
             lines.append(f"- {name} (#{other.number}) missed the SLOs ({other.infeasible})")
         elif other.value:
             lines.append(f"- {best.value / other.value:.2f}x {name} (#{other.number}): "
@@ -175,10 +182,14 @@ def margin_text(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
 
 
 def _comparison(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
-    if outcome.best is None:
-        return ["**No trial met both SLOs**: no best.yaml was written. Loosen the SLOs, widen "
-                "the space or lower the rate."]
     shown = comparison_rows(outcome)
+    if outcome.best is None:
+        lines = ["**No trial met both SLOs**: no best.yaml was written. Loosen the SLOs, widen "
+                 "the space or lower the rate."]
+        if shown:
+            lines += ["", "## The baselines", ""]
+            lines += _table(spec, [r for _, r in shown], names=[n for n, _ in shown])
+        return lines
     lines = ["## Recommended vs default" + (" vs vLLM grid" if outcome.grid else ""), ""]
     lines += _table(spec, [r for _, r in shown], names=[n for n, _ in shown])
     margins = margin_text(spec, outcome)
@@ -235,3 +246,87 @@ def _with_ci(m: dict[str, Any], name: str) -> str:
         return "-"
     low, high = m.get(f"{name}_ci") or (None, None)
     return f"{_s(m[f'{name}_s'])} ({_s(low)}..{_s(high)})"
+
+
+# ----------------------------------------------------------------------------- report.html
+
+
+def report_html(spec: TuneSpec, outcome: StudyOutcome, study: optuna.Study | None) -> str:
+    """report.md's content with plots: the optimisation history, output tokens/s against p99
+    TTFT (the Pareto front), parameter importances, the recommendation against the default
+    and the vLLM grid. Inline SVG: the page needs nothing from the network."""
+    unit = OBJECTIVE_UNIT[spec.objective]
+    label = f"{spec.objective} ({unit})"
+    rows = outcome.rows
+    summary = report_md(spec, outcome).split("\n\n")[1].splitlines()  # the header's list
+    sections = [("Study", html.list_html(line.removeprefix("- ") for line in summary))]
+    shown = comparison_rows(outcome)
+    if outcome.best is not None:
+        bars = html.bar_chart([(f"{name} #{row.number}", row.value or 0.0) for name, row in shown],
+                              label, title="recommended vs default vs vLLM grid")
+        margins = margin_text(spec, outcome)
+        sections.append(("Recommended vs default" + (" vs vLLM grid" if outcome.grid else ""),
+                         _html_table(spec, [r for _, r in shown], [n for n, _ in shown]) + bars
+                         + (html.list_html(m.removeprefix("- ") for m in margins)
+                            if margins else "")))
+    else:
+        sections.append(("No trial met both SLOs", "<p>No best.yaml was written. Loosen the "
+                         "SLOs, widen the space or lower the rate.</p>"))
+    history = [html.HistoryPoint(r.number, r.value, r.feasible, r.baseline) for r in rows
+               if r.state == "COMPLETE"]
+    sections.append(("Optimisation history", html.history_plot(history, y_label=label)))
+    front = {r.number for r in pareto_front(rows)}
+    scatter = [html.ScatterPoint((r.measures or {})["p99_ttft_s"],
+                                 (r.measures or {}).get("output_tokens_per_s") or 0.0,
+                                 r.number in front, f"#{r.number}" + (
+                                     f" {r.baseline}" if r.baseline else ""))
+               for r in rows if r.feasible and (r.measures or {}).get("p99_ttft_s") is not None]
+    sections.append(("Pareto front: output tokens/s against p99 TTFT", html.scatter_plot(
+        scatter, "p99 TTFT (s)", "output tokens/s", title="feasible trials")))
+    importances = param_importances(study)
+    if importances:
+        sections.append(("Parameter importances", html.bar_chart(
+            sorted(importances.items(), key=lambda kv: -kv[1]), "importance (PED-ANOVA)")))
+    if outcome.robustness:
+        labels = [v.label for v in spec.variants]
+        sections.append(("Robustness", "<p>The top configs on other slices and seeds of the "
+                         "workload; the recommendation is the best worst case.</p>" +
+                         html.table_html(["trial", "study", *labels, "worst", "moved"], [
+                             [f"#{r.number}", f"{r.value:.4g}",
+                              *(f"{r.values.get(v, 0.0):.4g}" + (" (missed)" if v in r.missed
+                                                                else "") for v in labels),
+                              f"{r.worst:.4g} {unit}", f"{r.moved:+.1%}"]
+                             for r in outcome.robustness])))
+    feasible = sorted((r for r in rows if r.feasible), key=lambda r: -(r.value or 0))
+    sections.append((f"Top {min(10, len(feasible))} feasible trials",
+                     _html_table(spec, feasible[:10])))
+    infeasible = [r for r in rows if not r.feasible]
+    if infeasible:
+        sections.append(("Infeasible trials", html.list_html(
+            f"#{r.number}: {r.infeasible or r.state.lower()}" for r in infeasible)))
+    return html.html_page(f"fairgate tune: study {outcome.study_name}", sections)
+
+
+def param_importances(study: optuna.Study | None) -> dict[str, float]:
+    """PED-ANOVA importances (Optuna's default evaluator, no scikit-learn needed) of the knobs for the (first) objective over the feasible trials;
+    empty when there are too few trials or the knobs never varied."""
+    if study is None:
+        return {}
+    trials = [t for t in study.get_trials(deepcopy=False, states=(
+        optuna.trial.TrialState.COMPLETE,)) if t.values and t.values[0] < VIOLATION_CAP]
+    if len(trials) < 3 or len({tuple(sorted(t.params.items())) for t in trials}) < 2:
+        return {}
+    try:
+        with warnings.catch_warnings():  # it warns on any target; this one is negated on purpose
+            warnings.filterwarnings("ignore", category=UserWarning, module="optuna.importance")
+            return dict(optuna.importance.get_param_importances(
+                study, target=lambda t: -t.values[0], normalize=True))  # low is good
+    except (ValueError, RuntimeError, ZeroDivisionError):
+        return {}
+
+
+def _html_table(spec: TuneSpec, rows: Sequence[TrialRow], names: Sequence[str] = ()) -> str:
+    """_table's rows as HTML."""
+    lines = _table(spec, rows, names)
+    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines]
+    return html.table_html(cells[0], cells[2:])

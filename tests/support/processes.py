@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,23 +42,28 @@ def wait_for_output(proc: subprocess.Popen[bytes], marker: bytes, timeout: float
 
 
 @contextmanager
-def fairgate_engine(*sets: str) -> Iterator[str]:
-    """A real `fairgate engine --set KNOB=VALUE ...` in its own process on a free port, ready
-    (it logged its listening line): its URL; stopped with SIGINT (then killed) afterwards."""
+def fairgate_engine(*sets: str, config: str | Path | None = None) -> Iterator[str]:
+    """A real `fairgate engine [-c config] --set KNOB=VALUE ...` in its own process on a free
+    port, ready (it logged its listening line): its URL; stopped with SIGINT (then killed)
+    afterwards. Its output is drained while it serves, so a chatty engine never blocks."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     args = [a for knob in sets for a in ("--set", knob)]
+    if config is not None:
+        args = ["-c", str(config), *args]
     proc = subprocess.Popen([sys.executable, "-m", "fairgate", "engine", "--port", str(port),
                              *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_for_output(proc, b"serving ")  # logged once the port is open
+        assert proc.stdout is not None
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # to EOF
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            proc.communicate(timeout=20)
+            proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.communicate()
+            proc.wait()

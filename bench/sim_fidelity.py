@@ -1,0 +1,114 @@
+"""Does the calibrated simulator predict the real engine? Both sides in one run.
+
+    .venv/bin/python bench/sim_fidelity.py [--requests 300] [--rate 6] [--profile FILE]
+                                          [--set KNOB=VALUE ...] [--save-profile FILE]
+
+Calibrates the real engine (`fairgate tune calibrate`'s `tuner.calibrate.calibrate`; or loads
+`--profile`), then replays one synthetic workload (uniform prompt and output lengths, Poisson
+arrivals) through (a) the real engine (TorchExecutor) in real time, arrivals honoured on the
+wall clock, and (b) `simulate()` on the sim executor with the profile and the same knobs. Prints
+throughput (output tokens/s), p50/p99 TTFT and TPOT (each request's mean inter-token gap, the
+tuner's ITL) for both, the relative errors, and PASS/FAIL against issue 14's goals: within 10%
+for throughput and the p50s, 20% for the p99s. Exit status 1 when a goal is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.sim_profile import load_profile, save_profile  # noqa: E402
+from fairgate.engine_cli import parse_overrides  # noqa: E402
+from tuner.calibrate import calibrate  # noqa: E402
+from tuner.fidelity import (  # noqa: E402
+    GOALS,
+    Figures,
+    fidelity_figures,
+    replay_realtime,
+    simulate_profiled,
+)
+from tuner.traces import TraceRequest  # noqa: E402
+from tuner.workload import Lengths, LoadShape, Synthetic, build_requests  # noqa: E402
+
+BASE = {"model": "random:tiny", "max_num_seqs": 32, "max_num_batched_tokens": 512}
+
+
+def workload(args: argparse.Namespace) -> list[TraceRequest]:
+    spec = Synthetic("fidelity", Lengths.parse(args.prompt_tokens),
+                     Lengths.parse(args.output_tokens))
+    shape = LoadShape(rate=args.rate, duration=None, num_requests=args.requests, seed=args.seed)
+    return build_requests(spec, shape)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--rate", type=float, default=6.0, help="requests/s (Poisson)")
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[32, 512], metavar=("LO", "HI"))
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=[16, 128], metavar=("LO", "HI"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KNOB=VALUE", help=f"engine knob on top of {BASE}")
+    parser.add_argument("--profile", help="use this profile instead of calibrating")
+    parser.add_argument("--save-profile", help="keep the calibrated profile here")
+    parser.add_argument("--repeats", type=int, default=3, help="calibration rounds")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for the real engine (default: torch's own); 1 is "
+                             "steadier on a shared machine")
+    args = parser.parse_args()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)  # before calibrating: both real runs share it
+    config = EngineConfig.from_dict({**BASE, **parse_overrides(args.overrides)})
+    requests = workload(args)
+    print(f"engine: {config.model}, max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
+          f"{config.max_num_batched_tokens}; {len(requests)} requests at {args.rate:g}/s, prompts "
+          f"{args.prompt_tokens}, outputs {args.output_tokens}; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, torch threads {_threads()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.profile or args.save_profile or str(Path(tmp) / "profile.yaml")
+        if args.profile is None:
+            started = time.perf_counter()
+            save_profile(calibrate(config, repeats=args.repeats,
+                                   progress=lambda line: print(f"  {line}", file=sys.stderr)),
+                         path)
+            print(f"calibrated in {time.perf_counter() - started:.1f} s: {load_profile(path).fit}")
+        real = replay_realtime(config, requests)
+        sim = simulate_profiled(config, path, requests)
+    print(f"real: {real.wall_s:.1f} s wall, {real.steps} steps, {real.preemptions} preemptions; "
+          f"sim: {sim.wall_s:.1f} s wall, {sim.steps} steps, {sim.preemptions} preemptions")
+    return report(fidelity_figures(real), fidelity_figures(sim))
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def report(real: Figures, sim: Figures) -> int:
+    errors = sim.relative_errors(real)
+    print(f"{'':22}{'real':>10}{'sim':>10}{'error':>9}   goal")
+    failed = 0
+    for name, allowed in GOALS.items():
+        ok = abs(errors[name]) <= allowed
+        failed += not ok
+        scale, unit = (1.0, "") if name.startswith("throughput") else (1e3, " ms")
+        print(f"{name + unit:22}{getattr(real, name) * scale:10.2f}{getattr(sim, name) * scale:10.2f}"
+              f"{errors[name]:+9.1%}   <= {allowed:.0%}: {'PASS' if ok else 'FAIL'}")
+    print(f"requests finished: real {real.requests}, sim {sim.requests}")
+    print("PASS" if not failed else f"FAIL ({failed} of {len(GOALS)} goals missed)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""A calibrated cost model: step times fitted to the real engine's measured steps.
+
+`fairgate tune calibrate` (tuner/calibrate.py) runs the real engine over a designed set of step
+shapes, measures each whole step (schedule, forward pass, sampling, update) and fits the
+non-negative coefficients of `FEATURES`; the `sim_profile` knob points the simulated executor at
+the file it writes, and the executor then models a step as the fitted sum instead of the
+roofline of engine/sim.py. The profile YAML::
+
+    version: 1
+    model: random:tiny            # what was measured, on which device and dtype
+    device: cpu
+    dtype: float32
+    max_position: 4096            # the model's context: the sim resolves max_model_len from it
+    kv_tokens: 937264             # the real engine's KV cache (blocks x block_size), see below
+    kv_bytes_per_token: 4096
+    coefficients:                 # seconds per unit of each feature
+      step: 0.0012
+      tokens: 6.1e-05
+      ...
+    fit: {steps: 812, r2: 0.98, median_rel_error: 0.05, p90_rel_error: 0.14}
+    calibration: {max_num_seqs: 32, ...}   # the knobs it ran under
+
+Memory: the sim serves with the KV cache the real engine had under the calibration config
+(`kv_tokens`, re-cut into blocks of the running config's `block_size`); `num_kv_blocks` still
+overrides it. The other memory knobs (`memory_fraction`, `device_memory_gb`) do not change it, so
+calibrate under the memory settings the simulation should reproduce.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from engine.executor import KVCapacity
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.scheduler import SchedulerOutput
+
+PROFILE_VERSION = 1
+GIB = 1 << 30
+# what one step costs on a CPU/GPU engine: a fixed part, per-token matmuls, per-request
+# bookkeeping, the logits and sampling of each sampled row, the Python loop over prefills, and
+# attention: prefills over their causal context, decodes batched and padded to the longest one
+FEATURES = ("step", "tokens", "seqs", "sampled", "prefills", "prefill_attention",
+            "decode_attention")
+
+
+def step_features(plan: SchedulerOutput) -> tuple[float, ...]:
+    """The values of `FEATURES` for one plan, in that order."""
+    sampled = prefills = 0
+    prefill_attention = 0.0
+    decode_contexts: list[int] = []
+    for scheduled in plan.requests:
+        end = scheduled.start + scheduled.num_tokens
+        sampled += scheduled.samples
+        if scheduled.num_tokens == 1:
+            decode_contexts.append(end)
+        else:
+            prefills += 1
+            prefill_attention += scheduled.num_tokens * (scheduled.start + end) / 2
+    decode_attention = len(decode_contexts) * max(decode_contexts, default=0)
+    return (1.0, float(plan.num_batched_tokens), float(len(plan.requests)), float(sampled),
+            float(prefills), prefill_attention, float(decode_attention))
+
+
+@dataclass(frozen=True)
+class SimProfile:
+    coefficients: dict[str, float]  # feature -> seconds per unit
+    kv_tokens: int
+    kv_bytes_per_token: int
+    max_position: int
+    model: str = ""
+    device: str = ""
+    dtype: str = ""
+    fit: dict[str, float] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.coefficients) - set(FEATURES))
+        if unknown:
+            raise ValueError(f"unknown coefficient(s) {', '.join(unknown)}; features are: "
+                             f"{', '.join(FEATURES)}")
+        for name, value in self.coefficients.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"coefficient {name} must be a number >= 0, got {value!r}")
+        for name in ("kv_tokens", "kv_bytes_per_token", "max_position"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        return tuple(float(self.coefficients.get(name, 0.0)) for name in FEATURES)
+
+    def predict(self, features: Sequence[float]) -> float:
+        return sum(w * x for w, x in zip(self.weights, features, strict=True))
+
+    # the cost-model interface SimExecutor uses (engine/sim.py's CostModel has the same two)
+    def step_time(self, plan: SchedulerOutput) -> float:
+        return self.predict(step_features(plan))
+
+    def kv_capacity(self, config: EngineConfig) -> KVCapacity:
+        bytes_per_block = self.kv_bytes_per_token * config.block_size
+        num_host = int(config.swap_space_gb * GIB // bytes_per_block)
+        if config.num_kv_blocks is not None:
+            return KVCapacity(config.num_kv_blocks, num_host, bytes_per_block)
+        num_blocks = self.kv_tokens // config.block_size
+        if num_blocks * config.block_size < config.resolved_max_model_len:
+            raise ValueError(
+                f"out of memory: the profiled engine's KV cache ({self.kv_tokens} tokens, "
+                f"sim_profile) holds fewer than one max_model_len "
+                f"({config.resolved_max_model_len}) request; lower max_model_len, set "
+                "num_kv_blocks, or calibrate with more device memory")
+        return KVCapacity(num_blocks, num_host, bytes_per_block)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": PROFILE_VERSION, "model": self.model, "device": self.device,
+                "dtype": self.dtype, "max_position": self.max_position,
+                "kv_tokens": self.kv_tokens, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "coefficients": {k: float(self.coefficients.get(k, 0.0)) for k in FEATURES},
+                "fit": dict(self.fit), "calibration": dict(self.calibration)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SimProfile:
+        if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict):
+            raise ValueError("not a calibration profile (a mapping with `coefficients`); "
+                             "write one with `fairgate tune calibrate`")
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {data.get('version')!r} is not "
+                             f"{PROFILE_VERSION}; recalibrate")
+        missing = [k for k in ("kv_tokens", "kv_bytes_per_token", "max_position") if k not in data]
+        if missing:
+            raise ValueError(f"the profile lacks {', '.join(missing)}")
+        return cls(coefficients=dict(data["coefficients"]), kv_tokens=data["kv_tokens"],
+                   kv_bytes_per_token=data["kv_bytes_per_token"],
+                   max_position=data["max_position"], model=str(data.get("model", "")),
+                   device=str(data.get("device", "")), dtype=str(data.get("dtype", "")),
+                   fit=dict(data.get("fit") or {}),
+                   calibration=dict(data.get("calibration") or {}))
+
+
+def load_profile(path: str | os.PathLike[str]) -> SimProfile:
+    """The profile at `path`; ValueError naming the file when it is missing or malformed."""
+    path = Path(path)
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the profile ({exc.strerror})") from None
+    # configs are rebuilt often (every tuner trial validates its knobs): read a file once
+    return _load(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, mtime_ns: int, size: int) -> SimProfile:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        return SimProfile.from_dict(data)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, TypeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{path}: {reason}") from None
+
+
+def save_profile(profile: SimProfile, path: str | os.PathLike[str]) -> None:
+    """Write atomically: a temporary file beside `path`, then os.replace, so a reader never
+    sees half a profile."""
+    path = Path(path)
+    text = yaml.safe_dump(profile.to_dict(), sort_keys=False)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,168 @@
+"""`fairgate tune calibrate`, the profile it writes, and the sim executor that loads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.sim_profile import FEATURES, SimProfile, load_profile, save_profile
+from fairgate.cli import _nested, main
+from tuner.calibrate import Calibrator, Phase, evaluate, fit, nnls
+from tuner.simulate import simulate
+from tuner.traces import TraceRequest
+
+# small enough that a calibration is a few seconds on a loaded 2-core machine
+SMALL = ["--set", "max_num_seqs=8", "--set", "max_num_batched_tokens=128",
+         "--set", "device_memory_gb=0.25"]
+
+
+def known_profile(**coefficients: float) -> SimProfile:
+    return SimProfile(coefficients=coefficients, kv_tokens=4096, kv_bytes_per_token=1024,
+                      max_position=2048, model="random:tiny", device="cpu")
+
+
+def test_calibrate_writes_a_profile_the_sim_executor_loads(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "profile.yaml"
+    rc = main(["tune", "calibrate", *SMALL, "--out", str(out), "--repeats", "1",
+               "--max-phase-tokens", "256"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert f"wrote {out}" in captured.out
+    assert "fit over" in captured.err  # progress on stderr
+    profile = load_profile(out)
+    assert set(profile.coefficients) == set(FEATURES)
+    assert all(c >= 0 for c in profile.coefficients.values())
+    assert profile.model == "random:tiny" and profile.max_position == 4096
+    assert profile.calibration["max_num_seqs"] == 8
+    assert not list(tmp_path.glob(".profile.yaml.*"))  # the temporary file was renamed
+    engine = LLMEngine(EngineConfig(executor="sim", sim_profile=str(out), block_size=16))
+    assert engine.capacity.num_blocks == profile.kv_tokens // 16  # the real engine's cache
+    assert engine.config.max_model_len == 4096
+    engine.add_request("a", [1] * 40, SamplingParams(max_tokens=3, ignore_eos=True))
+    times = [engine.step().step_time for _ in range(3)]
+    assert not engine.has_unfinished() and all(t > 0 for t in times)
+
+
+@pytest.fixture(scope="module")
+def calibrator() -> Calibrator:
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, device_memory_gb=0.25)
+    calibrator = Calibrator(config)
+    calibrator.run(Phase(2, 32, 4))  # warm-up
+    return calibrator
+
+
+def test_the_fit_predicts_held_out_shapes(calibrator: Calibrator) -> None:
+    train = [Phase(1, 16), Phase(1, 200), Phase(4, 16), Phase(4, 100), Phase(8, 16),
+             Phase(8, 48, staggered=True), Phase(2, 300, 8)]
+    held_out = [Phase(3, 64, 8), Phase(6, 24, 8, staggered=True)]
+    samples = [s for phase in train for s in calibrator.run(phase)]
+    coefficients, quality = fit(samples)
+    assert quality["steps"] == len(samples) and np.all(coefficients >= 0)
+    profile = known_profile(**dict(zip(FEATURES, coefficients.tolist(), strict=True)))
+    measured = [s for phase in held_out for s in calibrator.run(phase)]
+    # loose on purpose: a loaded CI machine stretches some steps; a wrong model is off by far more
+    assert evaluate(profile, measured)["median_rel_error"] < 0.6
+
+
+def test_the_fit_recovers_known_coefficients() -> None:
+    rng = np.random.default_rng(0)
+    truth = np.array([1e-3, 4e-5, 2e-5, 3e-5, 5e-4, 1e-7, 4e-7])
+    features = np.column_stack([np.ones(300), rng.integers(1, 512, 300), rng.integers(1, 32, 300),
+                                rng.integers(0, 32, 300), rng.integers(0, 3, 300),
+                                rng.uniform(0, 2e5, 300), rng.uniform(0, 2e4, 300)])
+    times = features @ truth * rng.normal(1.0, 0.01, 300)
+    times[:5] *= 20  # stalls the fit must not follow
+    coefficients, quality = fit(list(zip(map(tuple, features), times, strict=True)))
+    assert coefficients == pytest.approx(truth, rel=0.1)
+    assert quality["outliers_dropped"] >= 5 and quality["r2"] > 0.99
+
+
+def test_nnls_keeps_coefficients_non_negative() -> None:
+    a = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    x = nnls(a, np.array([3.0, 2.0, 1.0]))  # unconstrained slope would be -1
+    assert x[1] == 0 and x[0] == pytest.approx(2.0)
+
+
+def test_a_missing_profile_is_a_clear_error(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["tune", "calibrate", "--set", "sim_profile=missing.yaml", "--out",
+               str(tmp_path / "p.yaml")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "sim_profile" in err and "missing.yaml" in err
+    with pytest.raises(ValueError, match="sim_profile: .*missing.yaml"):
+        EngineConfig(executor="sim", sim_profile="missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("coefficients: [1, 2\n")
+    with pytest.raises(ValueError, match="sim_profile: .*bad.yaml"):
+        EngineConfig(executor="sim", sim_profile=str(bad))
+    bad.write_text("version: 1\nmax_position: 10\nkv_tokens: 10\nkv_bytes_per_token: 1\n"
+                   "coefficients: {tokens: -1}\n")
+    with pytest.raises(ValueError, match="coefficient tokens must be a number >= 0"):
+        EngineConfig(executor="sim", sim_profile=str(bad))
+
+
+def test_calibrate_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", "calibrate", "--set", "executor=sim"]) == 2
+    assert "executor must be torch" in capsys.readouterr().err
+    assert main(["tune", "calibrate", "--out", str(tmp_path / "no" / "p.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["tune", "calibrate", "--repeats", "0"]) == 2
+
+
+def test_only_tune_then_calibrate_is_the_nested_command() -> None:
+    assert _nested(["tune", "calibrate", "--out", "p.yaml"]) is not None
+    assert _nested(["tune", "--workload", "calibrate"]) is None
+    assert _nested(["tune"]) is None and _nested([]) is None
+
+
+def test_sim_step_times_follow_the_profile(tmp_path: Path) -> None:
+    path = tmp_path / "profile.yaml"
+    save_profile(known_profile(step=1e-3, tokens=1e-5, decode_attention=1e-7), path)
+    assert load_profile(path) == load_profile(str(path))
+    config = EngineConfig(executor="sim", sim_profile=str(path), block_size=16)
+    engine = LLMEngine(config)
+    assert engine.capacity.num_blocks == 4096 // 16 and engine.config.max_model_len == 2048
+    engine.add_request("a", [1] * 100, SamplingParams(max_tokens=3, ignore_eos=True))
+    steps = [engine.step().step_time for _ in range(3)]
+    assert steps[0] == pytest.approx(1e-3 + 100 * 1e-5)  # the prefill
+    assert steps[1] == pytest.approx(1e-3 + 1e-5 + 101 * 1e-7)  # a decode at context 101
+    assert steps[2] == pytest.approx(1e-3 + 1e-5 + 102 * 1e-7)
+    result = simulate(config, [TraceRequest(0.0, 100, 3)])
+    (timing,) = result.timings
+    assert timing.ttft == pytest.approx(steps[0])
+    assert timing.tpot == pytest.approx((steps[1] + steps[2]) / 2)
+
+
+def test_a_profile_too_small_for_max_model_len_cannot_start(tmp_path: Path) -> None:
+    path = tmp_path / "profile.yaml"
+    save_profile(SimProfile(coefficients={"step": 1e-3}, kv_tokens=1000, kv_bytes_per_token=1024,
+                            max_position=2048), path)
+    with pytest.raises(ValueError, match="out of memory: the profiled engine's KV cache"):
+        LLMEngine(EngineConfig(executor="sim", sim_profile=str(path)))
+    # num_kv_blocks overrides the profiled capacity, as it does the roofline's
+    engine = LLMEngine(EngineConfig(executor="sim", sim_profile=str(path), num_kv_blocks=128))
+    assert engine.capacity.num_blocks == 128
+
+
+def test_tune_runs_its_trials_on_a_profile(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.yaml"
+    coefficients = dict.fromkeys(FEATURES, 0.0) | {"step": 0.002, "tokens": 1e-5}
+    save_profile(SimProfile(coefficients=coefficients, kv_tokens=6000, kv_bytes_per_token=1024,
+                            max_position=8192, model="random:tiny", device="cpu"), profile)
+    out = tmp_path / "out"
+    rc = main(["tune", "--mode", "sim", "--sim-profile", str(profile), "--set", "executor=sim",
+               "--set", "max_model_len=6000",
+               "--workload", "uniform", "--rate", "5", "--duration", "4", "--slo-ttft-p99",
+               "1", "--slo-itl-p99", "0.05", "--trials", "3", "--robustness", "0",
+               "--storage", f"sqlite:///{tmp_path / 's.db'}", "--study", "p", "--out", str(out)])
+    assert rc == 0
+    best = (out / "best.yaml").read_text()
+    assert f"sim_profile: {profile}" in best  # the winner keeps running on the profile
+    # the space's max_model_len stops at the profiled engine's KV cache
+    assert "max_model_len 1024..6000" in (out / "report.md").read_text()

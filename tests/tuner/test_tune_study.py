@@ -1,0 +1,233 @@
+"""The study's operations: the Pareto objective, vLLM's grid as a baseline, robustness re-runs,
+parallel workers, a killed worker's trial re-run, and PostgreSQL storage."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+from optuna.trial import TrialState
+
+from engine.config import EngineConfig
+from engine.sim import SimExecutor
+from fairgate.cli import main
+from tests.support import postgres
+from tests.support.processes import ROOT, wait_for_output
+from tests.support.waiting import poll_until
+from tuner.space import build_config
+from tuner.study import (
+    VLLM_GRID,
+    Robustness,
+    TrialRow,
+    pareto_front,
+    recommend,
+)
+
+WORKLOAD = ["--workload", "uniform", "--rate", "10", "--duration", "4"]  # 36 requests
+SLOS = ["--slo-ttft-p99", "0.5", "--slo-itl-p99", "0.05"]
+
+
+def tune(tmp_path: Path, *extra: str, storage: str | None = None, study: str = "s",
+         slos: list[str] = SLOS) -> int:
+    return main(["tune", "--mode", "sim", *WORKLOAD, *slos, "--study", study, "--storage",
+                 storage or f"sqlite:///{tmp_path / 'studies.db'}", "--out",
+                 str(tmp_path / "out"), *extra])
+
+
+def read_trials(tmp_path: Path) -> list[dict[str, str]]:
+    with open(tmp_path / "out" / "trials.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def row(number: int, value: float, ttft: float, feasible: bool = True) -> TrialRow:
+    return TrialRow(number=number, state="COMPLETE", params={"max_num_seqs": number},
+                    baseline=None, ran=True,
+                    measures={"p99_ttft_s": ttft, "output_tokens_per_s": value},
+                    value=value, infeasible=None if feasible else "missed")
+
+
+points = st.lists(st.tuples(st.integers(0, 20), st.integers(1, 20), st.booleans()),
+                  min_size=1, max_size=25)
+
+
+@given(points)
+def test_the_pareto_front_is_exactly_the_undominated_feasible_trials(
+        cases: list[tuple[int, int, bool]]) -> None:
+    rows = [row(i, float(v), float(t), ok) for i, (v, t, ok) in enumerate(cases)]
+    front = pareto_front(rows)
+    feasible = [r for r in rows if r.feasible]
+
+    def dominates(a: TrialRow, b: TrialRow) -> bool:
+        av, at = a.value or 0, (a.measures or {})["p99_ttft_s"]
+        bv, bt = b.value or 0, (b.measures or {})["p99_ttft_s"]
+        return av >= bv and at <= bt and (av > bv or at < bt)
+
+    assert all(r.feasible for r in front)
+    assert not any(dominates(other, r) for r in front for other in feasible)
+    for r in feasible:  # everything left out is dominated by something on the front
+        if r not in front:
+            assert any(dominates(f, r) for f in front)
+    ttfts = [(r.measures or {})["p99_ttft_s"] for r in front]
+    assert ttfts == sorted(ttfts)
+
+
+def test_the_recommendation_is_the_best_worst_case() -> None:
+    rows = [row(1, 10.0, 0.1), row(2, 9.0, 0.1), row(3, 8.0, 0.1)]
+    robust = [Robustness(1, 10.0, {"seed 1": 4.0}, {}),  # the study's best, fragile
+              Robustness(2, 9.0, {"seed 1": 8.5}, {}),  # the best worst case
+              Robustness(3, 8.0, {"seed 1": 9.5}, {"seed 1": "p99 TTFT 3 s > 0.5 s"})]
+    assert recommend(rows, robust) is rows[1]
+    assert robust[1].moved == pytest.approx(8.5 / 9 - 1)
+    assert recommend(rows, []) is rows[0]  # without re-runs: the study's best
+
+
+def test_pareto_study_writes_its_front_and_recommends_a_point_of_it(tmp_path: Path) -> None:
+    assert tune(tmp_path, "--objective", "pareto", "--trials", "8") == 0
+    rows = read_trials(tmp_path)
+    assert "throughput_tok_s" in rows[0]
+    feasible = [r for r in rows if r["infeasible"] == ""]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Pareto front" in report and "## Robustness" in report
+    best = yaml.safe_load((tmp_path / "out" / "best.yaml").read_text())["engine"]
+    chosen = [r for r in feasible if int(r["max_num_seqs"]) == best["max_num_seqs"]
+              and int(r["max_num_batched_tokens"]) == best["max_num_batched_tokens"]]
+    assert chosen, "best.yaml is a feasible trial"
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "<svg" in html and "Optimisation history" in html and "Pareto front" in html
+
+
+def test_vllm_grid_joins_the_study_with_its_memory_fraction_probed(tmp_path: Path) -> None:
+    assert tune(tmp_path, "--set", "executor=sim", "--set", "sim_hardware=l4", "--set",
+                "max_model_len=8192", "--baseline", "vllm-grid", "--trials", "10",
+                "--robustness", "0", slos=["--slo-ttft-p99", "10", "--slo-itl-p99", "0.5"]) == 0
+    rows = read_trials(tmp_path)
+    grid = [r for r in rows if r["baseline"].startswith("vllm-grid")]
+    assert [r["baseline"] for r in grid] == [f"vllm-grid {s}x{t}" for s, t in VLLM_GRID]
+    assert rows[0]["baseline"] == "default"
+    base = EngineConfig(executor="sim", sim_hardware="l4", max_model_len=8192)
+    for r in grid:  # auto_tune's probe: the highest fraction from 0.98 down that starts
+        params = {"max_num_seqs": int(r["max_num_seqs"]),
+                  "max_num_batched_tokens": int(r["max_num_batched_tokens"]),
+                  "max_model_len": 8192}
+        fraction = float(r["memory_fraction"])
+        starts = build_config(base, {**params, "memory_fraction": fraction})
+        SimExecutor(starts).plan_kv_capacity(starts)
+        if fraction < 0.98:
+            higher = build_config(base, {**params, "memory_fraction": round(fraction + 0.01, 2)})
+            with pytest.raises(ValueError, match="out of memory"):
+                SimExecutor(higher).plan_kv_capacity(higher)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "vs vLLM grid" in report and "best of vLLM grid" in report
+
+
+def test_robustness_results_are_kept_in_the_study(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert tune(tmp_path, "--trials", "8", "--robustness", "2", "--robust-top", "2") == 0
+    first = capsys.readouterr().err
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'studies.db'}")
+    kept = study.user_attrs["robustness"]
+    feasible = [t for t in study.get_trials() if t.user_attrs.get("infeasible") is None]
+    assert len(kept) == min(2, len(feasible)) == first.count("\nrobustness ")
+    assert all(sorted(v["values"]) == ["seed 1", "seed 2"] for v in kept.values())
+    # the same study again: nothing left to run or re-check
+    assert tune(tmp_path, "--trials", "8", "--robustness", "2", "--robust-top", "2") == 0
+    assert "robustness " not in capsys.readouterr().err
+    assert "| seed 1 | seed 2 |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_two_workers_share_one_study(tmp_path: Path) -> None:
+    workload = ["--workload", "uniform", "--rate", "10", "--duration", "30"]
+    assert main(["tune", "--mode", "sim", *workload, *SLOS, "--study", "w", "--storage",
+                 f"sqlite:///{tmp_path / 'studies.db'}", "--out", str(tmp_path / "out"),
+                 "--workers", "2", "--trials", "12", "--robustness", "0"]) == 0
+    study = optuna.load_study(study_name="w", storage=f"sqlite:///{tmp_path / 'studies.db'}")
+    done = study.get_trials(states=(TrialState.COMPLETE,))
+    assert 12 <= len(done) <= 13  # a worker may start one more as the other finishes the last
+    assert not study.get_trials(states=(TrialState.RUNNING, TrialState.WAITING, TrialState.FAIL))
+    assert {t.user_attrs["worker"] for t in done} == {0, 1}
+    assert len(read_trials(tmp_path)) == len(done)
+
+
+def test_a_killed_worker_is_restarted_and_the_study_completes_without_loss_or_repeats(
+        tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    workload = ["--workload", "uniform", "--rate", "10", "--duration", "200"]  # 2,000 requests
+    command = [sys.executable, "-m", "fairgate", "tune", "--mode", "sim", *workload, *SLOS,
+               "--study", "k", "--storage", storage, "--out", str(tmp_path / "out"),
+               "--trials", "5", "--robustness", "0", "--heartbeat", "1"]
+    worker = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert worker.stderr is not None
+    worker.stdout = worker.stderr  # wait_for_output reads the progress lines
+    wait_for_output(worker, b"(#2) running", timeout=120)
+    worker.send_signal(signal.SIGKILL)  # mid-trial: #2 is RUNNING in the storage
+    worker.wait()
+    study = optuna.load_study(study_name="k", storage=storage)
+    (killed,) = study.get_trials(states=(TrialState.RUNNING,))
+    assert killed.number == 2
+    assert [t.number for t in study.get_trials(states=(TrialState.COMPLETE,))] == [0, 1]
+    # a dead worker stops beating: after two missed heartbeats the trial is failed and queued
+    # again with the same knobs (what any worker of the study does before its next trial)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        beating = optuna.storages.RDBStorage(  # as every worker of this study opens it
+            storage, heartbeat_interval=1, grace_period=2,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(1))
+    watcher = optuna.load_study(study_name="k", storage=beating)
+
+    def stale_trial_requeued() -> bool:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(watcher)
+        return bool(study.get_trials(states=(TrialState.WAITING,)))
+
+    poll_until(stale_trial_requeued, 30, "the killed trial failed and queued again")
+    assert subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, timeout=300).returncode == 0
+    trials = study.get_trials()
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(complete) == 5 and not [t for t in trials if t.state in (
+        TrialState.RUNNING, TrialState.WAITING)]
+    (failed,) = [t for t in trials if t.state == TrialState.FAIL]
+    (retry,) = [t for t in complete if t.system_attrs.get("failed_trial") == 2]
+    assert failed.number == 2 and retry.params == killed.params  # re-run once, same knobs
+    assert len({tuple(sorted(t.params.items())) for t in complete}) == 5  # none repeated
+    rows = read_trials(tmp_path)
+    assert [r["retried_from"] for r in rows if r["number"] == str(retry.number)] == ["2"]
+    assert "re-run after a worker stopped: 1" in (tmp_path / "out" / "report.md").read_text()
+
+
+PG_SKIP = postgres.unreachable()
+
+
+@pytest.mark.skipif(PG_SKIP is not None, reason=PG_SKIP or "")
+def test_a_study_lives_in_postgresql_and_resumes_there(tmp_path: Path) -> None:
+    with postgres.fresh_database("fg_tune") as name:
+        # the project's own URL form (asyncpg) works as Optuna's storage
+        url = f"postgresql+asyncpg://{postgres.PG_SERVER}/{name}"
+        assert tune(tmp_path, "--trials", "3", "--robustness", "0", storage=url) == 0
+        assert tune(tmp_path, "--trials", "5", "--robustness", "0", storage=url) == 0
+        assert [r["number"] for r in read_trials(tmp_path)] == ["0", "1", "2", "3", "4"]
+        study = optuna.load_study(study_name="s",
+                                  storage=f"postgresql://{postgres.PG_SERVER}/{name}")
+        assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 5
+
+
+def test_a_storage_that_cannot_be_opened_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no" / "such" / "dir" / "s.db"
+    assert tune(tmp_path, "--trials", "1", storage=f"sqlite:///{missing}") == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "cannot open the database" in err, err
+    assert not (tmp_path / "out").exists()
