@@ -92,6 +92,7 @@ class Progress:
 
 
 ProgressFn = Callable[[Progress], None]
+StopFn = Callable[[list[RequestResult]], bool]  # True: send nothing more, cancel the rest
 
 
 async def run_workload(
@@ -103,8 +104,10 @@ async def run_workload(
     options: RunOptions | None = None,
     tokens_to_text: TokensToText | None = None,
     on_progress: ProgressFn | None = None,
+    stop: StopFn | None = None,
 ) -> Report:
-    """Send every request of `workload` (a name, a `Workload`, or ready requests) and measure."""
+    """Send every request of `workload` (a name, a `Workload`, or ready requests) and measure;
+    `stop` (asked as each request finishes) ends the run early."""
     target = Target(target) if isinstance(target, str) else target
     options = options or RunOptions()
     requests = _requests(workload, shape, limits)
@@ -122,7 +125,7 @@ async def run_workload(
         model = target.model or await discover_model(session, target)
         sender = _Sender(session, target, model, text, options)
         text(1, 0)  # builds the text pool now, not inside the first timed request
-        results, duration = await _dispatch(requests, sender, options, on_progress)
+        results, duration = await _dispatch(requests, sender, options, on_progress, stop)
     config = {
         "url": target.url,
         "endpoint": target.endpoint,
@@ -183,28 +186,45 @@ async def _dispatch(
     sender: _Sender,
     options: RunOptions,
     on_progress: ProgressFn | None,
+    stop: StopFn | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Release each request at its arrival time (or when a concurrency slot frees up)."""
+    """Release each request at its arrival time (or when a concurrency slot frees up). `stop`
+    is asked after every finished request; once it says so, nothing more is sent and the
+    requests in flight are cancelled (their results stay without a first token or an end)."""
     results = [RequestResult(i, r.tenant, r.priority, r.arrival) for i, r in enumerate(requests)]
     limit = asyncio.Semaphore(options.max_concurrency) if options.max_concurrency else None
     tasks: set[asyncio.Task[None]] = set()
+    stopped = asyncio.Event()
+
+    def finished(_task: asyncio.Task[None]) -> None:
+        if stop is not None and not stopped.is_set() and stop(results):
+            stopped.set()
+
     t0 = time.perf_counter()
     ticker = asyncio.create_task(_tick(results, t0, on_progress)) if on_progress else None
+    stop_waiter: asyncio.Task[Any] = asyncio.create_task(stopped.wait())
     try:
         for req, result in zip(requests, results, strict=True):
             delay = t0 + req.arrival - time.perf_counter()
             if delay > 0:
-                await asyncio.sleep(delay)
+                await asyncio.wait({stop_waiter}, timeout=delay)
+            if stopped.is_set():
+                break
             if limit is not None:
                 await limit.acquire()
             task = asyncio.create_task(sender.send(req, result, t0))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+            task.add_done_callback(finished)
             if limit is not None:
                 task.add_done_callback(lambda _t: limit.release())
-        while tasks:
-            await asyncio.gather(*tasks)
+        while tasks and not stopped.is_set():
+            done, _ = await asyncio.wait({*tasks, stop_waiter},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for finished_task in done - {stop_waiter}:
+                finished_task.result()  # a sender's own error surfaces as before
     finally:
+        stop_waiter.cancel()
         for task in tasks:
             task.cancel()
         if ticker is not None:

@@ -3,9 +3,11 @@
 
 Both replay the workload with the load generator (`tuner.loadgen`) in real time and hand the
 study the same shape of result as sim mode (`HttpRun`, like `tuner.simulate.SimResult`), with
-client-side TTFT and token times. The load generator cannot abort a run midway, so the study's
-early-stop rule is applied after the run: it still marks the trial infeasible with its reason,
-but saves no time.
+client-side TTFT and token times. The study's early-stop rule is asked as each request
+finishes: once the trial cannot meet a p99 any more nothing more is sent and the requests in
+flight are cancelled (counted as misses), so a hopeless config costs seconds, not the whole
+workload. Beside the client's figures, the engine's own `/stats` window over the run is kept
+(`engine_stats`) as a cross-check; a server without `/stats` gives None.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ class HttpRun:
 
     timings: list[RequestTiming]  # one per planned request, in workload order
     elapsed_s: float  # from the first send to the last finish
-    stopped: str | None  # the early-stop rule's reason, applied after the run
+    stopped: str | None  # the early-stop rule's reason: the run was cut short there
     steps: int  # engine steps during the run (from /load; 0 when the server has none)
     wall_s: float
     preemptions: int
+    engine_stats: dict[str, Any] | None = None  # the engine's /stats over the run
 
 
 def timing_of(result: RequestResult) -> RequestTiming:
@@ -65,18 +68,47 @@ def timing_of(result: RequestResult) -> RequestTiming:
 
 def replay_http(base_url: str, api_key: str | None, requests: Sequence[TraceRequest],
                 stop: StopRule) -> HttpRun:
-    """Send `requests` on schedule to `base_url` and measure; ValueError when it cannot."""
+    """Send `requests` on schedule to `base_url` and measure, stopping once `stop` says the
+    trial can no longer meet its SLOs; ValueError when it cannot run."""
     before = load_counters(base_url, api_key)
+    reason: list[str] = []
+
+    def cut(results: list[RequestResult]) -> bool:
+        why = stop([timing_of(r) for r in results if _finished(r)])
+        if why is not None:
+            reason.append(why)
+        return why is not None
+
+    started = time.monotonic()
     try:
         report: Report = run_workload_sync(list(requests), Target(base_url, api_key),
-                                           options=RunOptions())
+                                           options=RunOptions(), stop=cut)
     except BenchError as exc:
         raise ValueError(str(exc)) from None
     after = load_counters(base_url, api_key)
     timings = [timing_of(r) for r in report.results]
-    return HttpRun(timings=timings, elapsed_s=report.duration, stopped=stop(timings),
-                   steps=after[0] - before[0], wall_s=report.duration,
-                   preemptions=after[1] - before[1])
+    return HttpRun(timings=timings, elapsed_s=report.duration,
+                   stopped=reason[0] if reason else None, steps=after[0] - before[0],
+                   wall_s=report.duration, preemptions=after[1] - before[1],
+                   engine_stats=engine_window(base_url, api_key, time.monotonic() - started))
+
+
+def _finished(result: RequestResult) -> bool:
+    return result.e2e is not None or not result.ok
+
+
+def engine_window(base_url: str, api_key: str | None, seconds: float) -> dict[str, Any] | None:
+    """p99 TTFT and TPOT and the request count of a fairgate engine's `/stats` over the last
+    `seconds` (the trial's run); None for a server without it."""
+    try:
+        status, body = request_json(f"{base_url}/stats?window={max(seconds, 0.001):.3f}",
+                                    api_key)
+    except OSError:
+        return None
+    if status != 200 or not isinstance(body.get("ttft"), dict):
+        return None
+    return {"p99_ttft_s": body["ttft"].get("p99"), "p99_tpot_s": body["tpot"].get("p99"),
+            "requests": body.get("requests", {}).get("finished")}
 
 
 # ----------------------------------------------------------------------------- HTTP helpers

@@ -279,6 +279,7 @@ class TrialMeasures:
     failed: int  # refused, failed or cut off by the early stop
     wall_s: float
     output_tokens_per_s: float = 0.0  # of every request that finished, met its SLOs or not
+    engine_stats: dict[str, Any] | None = None  # replay/launch: the engine's own /stats window
 
     def violations(self, slo: SLO) -> list[float]:
         assert slo.ttft_s is not None and slo.itl_s is not None
@@ -328,7 +329,8 @@ def measure(run: TrialRun, planned: int, slo: SLO, seed: int = 0) -> TrialMeasur
                          good_fraction=good.requests / planned, requests=planned,
                          failed=sum(not t.ok for t in timings) + len(missing),
                          wall_s=run.wall_s, output_tokens_per_s=(
-                             tokens / run.elapsed_s if run.elapsed_s > 0 else 0.0))
+                             tokens / run.elapsed_s if run.elapsed_s > 0 else 0.0),
+                         engine_stats=getattr(run, "engine_stats", None))
 
 
 def early_stop(planned: int, slo: SLO) -> StopRule:

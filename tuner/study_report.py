@@ -78,6 +78,10 @@ CSV_MEASURES = ("p99_ttft_s", "p99_ttft_ci", "p99_itl_s", "p99_itl_ci", "good_fr
                 "output_tokens_per_s", "failed", "wall_s")
 
 
+# replay/launch: the engine's own /stats over the run, beside the client's figures
+ENGINE_COLUMNS = ("p99_ttft_s", "p99_tpot_s", "requests")
+
+
 def value_column(spec: TuneSpec) -> str:
     """trials.csv's objective column: goodput_rps, capacity_rps or throughput_tok_s."""
     if spec.objective == "pareto":
@@ -91,16 +95,19 @@ def trials_csv(spec: TuneSpec, rows: Sequence[TrialRow]) -> str:
     knobs = list(spec.space)
     capacity = spec.objective == "capacity"
     writer.writerow(["number", "state", "baseline", "ran", *knobs, value_column(spec),
-                     *(CAPACITY_COLUMNS if capacity else ()), *CSV_MEASURES, "retried_from",
+                     *(CAPACITY_COLUMNS if capacity else ()), *CSV_MEASURES,
+                     *(f"engine_{name}" for name in ENGINE_COLUMNS), "retried_from",
                      "infeasible"])
     for row in rows:
         m = row.measures or {}
+        engine = m.get("engine_stats") or {}
         writer.writerow([row.number, row.state, row.baseline or "", row.ran,
                          *(row.params.get(k, "") for k in knobs),
                          "" if row.value is None else f"{row.value:.6g}",
                          *(_cell((row.capacity or {}).get(name, "")) for name in
                            (CAPACITY_COLUMNS if capacity else ())),
                          *(_cell(m.get(name)) for name in CSV_MEASURES),
+                         *(_cell(engine.get(name)) if engine else "" for name in ENGINE_COLUMNS),
                          "" if row.retried_from is None else row.retried_from,
                          row.infeasible or ""])
     return out.getvalue()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shlex
 import sys
 import urllib.request
@@ -68,6 +69,54 @@ def test_replay_reconfigures_the_engine_per_trial(tmp_path: Path, engine_url: st
     assert engine_load(engine_url)["max_num_seqs"] == seqs[1]  # the last trial's knobs hold
     best = yaml.safe_load((tmp_path / "out" / "best.yaml").read_text())
     assert best["engine"]["max_num_seqs"] in seqs
+    # the engine's own /stats window over each run, beside the client's figures: the same
+    # requests, and the server's TTFT is the client's less the HTTP round trip
+    report = (tmp_path / "out" / "report.md").read_text()
+    planned = int(report.split(" requests over ")[0].rsplit("(", 1)[1])
+    for r in rows:
+        assert int(r["engine_requests"]) == planned
+        assert 0 < float(r["engine_p99_ttft_s"]) <= float(r["p99_ttft_s"])
+
+
+def test_replay_stops_a_hopeless_trial_early(tmp_path: Path, engine_url: str) -> None:
+    """An SLO no request can meet: the run stops after the first misses past the 1% budget,
+    so most of the workload is never sent (the engine saw only those requests)."""
+    workload = ["--workload", "uniform", "--rate", "10", "--duration", "6"]  # about 60
+    code = main(["tune", "--mode", "replay", "--url", engine_url, *workload, "--slo-ttft-p99",
+                 "0.0001", "--slo-itl-p99", "0.5", "--space", _space(tmp_path), "--trials", "1",
+                 "--storage", f"sqlite:///{tmp_path / 'studies.db'}", "--out",
+                 str(tmp_path / "out")])
+    assert code == 1
+    [row] = read_trials(tmp_path)
+    assert re.match(r"stopped early: 1 of (\d+) requests missed the TTFT SLO", row["infeasible"])
+    assert int(row["engine_requests"]) < 30  # the rest were never sent or were cancelled
+
+
+def test_replay_with_two_engines_runs_a_worker_on_each(tmp_path: Path, engine_url: str) -> None:
+    with fairgate_engine("executor=sim", "sim_clock=realtime") as second:
+        assert main(["tune", "--mode", "replay", "--url", engine_url, "--url", second,
+                     *WORKLOAD, *SLOS, "--space", _space(tmp_path), "--trials", "4",
+                     "--storage", f"sqlite:///{tmp_path / 'studies.db'}", "--study", "two",
+                     "--out", str(tmp_path / "out")]) == 0
+        rows = read_trials(tmp_path)
+        assert 4 <= len(rows) <= 5 and all(r["ran"] == "True" for r in rows)
+        import optuna
+
+        study = optuna.load_study(study_name="two",
+                                  storage=f"sqlite:///{tmp_path / 'studies.db'}")
+        assert {t.user_attrs["worker"] for t in study.trials} == {0, 1}
+        # each engine ended on the knobs of a trial its own worker ran
+        ran = {t.user_attrs["worker"]: [] for t in study.trials}
+        for t in study.trials:
+            ran[t.user_attrs["worker"]].append(t.params["max_num_seqs"])
+        assert engine_load(engine_url)["max_num_seqs"] in ran[0]
+        assert engine_load(second)["max_num_seqs"] in ran[1]
+
+
+def _space(tmp_path: Path) -> str:
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    return str(space)
 
 
 def test_replay_records_a_refused_knob_as_infeasible(tmp_path: Path, engine_url: str) -> None:
