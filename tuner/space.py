@@ -145,7 +145,7 @@ def default_space(base: EngineConfig, run_as: EngineConfig | None = None) -> Spa
         ("max_num_batched_tokens", _log_ints(256, 16384, base.max_num_batched_tokens)),
         ("max_num_seqs", _log_ints(8, 512, base.max_num_seqs)),
     ]
-    fraction = FloatRange(min(0.7, base.memory_fraction), max(0.95, base.memory_fraction),
+    fraction = FloatRange(min(0.7, base.memory_fraction), max(0.98, base.memory_fraction),
                           step=0.01)
     known = [c for c in (context_length(base) or base.max_model_len,
                          None if run_as is None else context_length(run_as)) if c is not None]
