@@ -177,6 +177,7 @@ def save_profile(profile: SimProfile, path: str | os.PathLike[str]) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             out.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a profile is no secret
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -24,8 +24,11 @@ a line says so at the end.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +51,7 @@ from tuner.study import (
     run_study,
     value_text,
 )
-from tuner.traces import TRACE_FORMATS
+from tuner.traces import TRACE_FORMATS, TraceRequest
 from tuner.workload import WORKLOADS
 
 DEFAULT_TRIALS = 30
@@ -157,19 +160,33 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
         "--trials", DEFAULT_TRIALS if args.trials is None else args.trials)
     study = args.study or time.strftime("tune-%Y%m%d-%H%M%S")
     storage = args.storage or database_url(load_config_file(args.config))
+    out_dir = check_out_dir(Path(args.out or study))
     robustness = check_int("--robustness", args.robustness if args.robustness is not None
                            else (2 if mode == "sim" else 0), low=0, high=MAX_VARIANTS)
     return TuneSpec(mode=mode, base=base, space=space, requests=tuple(requests), slo=slo,
-                    storage=storage, study_name=study, out_dir=Path(args.out or study),
+                    storage=storage, study_name=study, out_dir=out_dir,
                     objective=objective, trials=trials, timeout_s=args.timeout,
                     seed=args.seed, workload=args.workload or args.trace or args.workload_file,
                     runner=runner, baseline=args.baseline, workers=workers(mode, args),
-                    urls=tuple(args.url), variants=variants(args, robustness),
+                    urls=tuple(args.url), variants=variants(args, robustness, requests),
                     robust_top=check_int("--robust-top", args.robust_top, low=1),
                     heartbeat_s=check_positive_int("--heartbeat", args.heartbeat))
 
 
 MAX_VARIANTS = 16
+
+
+def check_out_dir(path: Path) -> Path:
+    """--out must be a directory that exists or can be made; said before any trial runs, so
+    a study is not lost to an unwritable path at its end. Nothing is created here."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path} exists and is not a directory")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: cannot create it ({parent} is not a writable directory)")
+    return path
 
 
 def workers(mode: str, args: argparse.Namespace) -> int:
@@ -183,24 +200,50 @@ def workers(mode: str, args: argparse.Namespace) -> int:
     return check_positive_int("--workers", 1 if args.workers is None else args.workers)
 
 
-def variants(args: argparse.Namespace, count: int) -> tuple[Variant, ...]:
-    """`count` other draws of the workload for the robustness re-runs: a trace's next slices
-    of the same length (from --start + k x --duration), a synthetic workload's other seeds.
-    A slice past a trace's end falls back to the next seed."""
+def variants(args: argparse.Namespace, count: int,
+             main: Sequence[TraceRequest] = ()) -> tuple[Variant, ...]:
+    """`count` other draws of the workload for the robustness re-runs: a trace's next slices,
+    each the same stretch of trace time as the workload's and replayed at the same speed (so
+    the load differs only as the trace does), a synthetic workload's other seeds. A slice past
+    a trace's end falls back to the next seed; a draw that is the workload itself (a trace
+    replayed on its own timestamps has no seed) is left out."""
     out: list[Variant] = []
-    duration = args.duration if args.duration is not None else 60.0
+    window, speed = _trace_window(args) if args.trace else (0.0, 1.0)
     for k in range(1, count + 1):
         if args.trace:
-            start = (args.start or 0.0) + k * duration
-            requests = plan_requests(argparse.Namespace(**{**vars(args), "start": start}))
+            start = (args.start or 0.0) + k * window
+            try:
+                requests = _plan(args, start=start, rate=None, speed=speed) if window > 0 else []
+            except ValueError:  # the trace ends before this slice starts
+                requests = []
             if requests:
-                out.append(Variant(f"slice from {start:g} s", tuple(requests)))
+                out.append(Variant(f"trace slice from {start:.1f} s", tuple(requests)))
                 continue
         seed = args.seed + k
-        requests = plan_requests(argparse.Namespace(**{**vars(args), "seed": seed}))
-        if requests:
+        requests = _plan(args, seed=seed)
+        if requests and tuple(requests) != tuple(main):
             out.append(Variant(f"seed {seed}", tuple(requests)))
     return tuple(out)
+
+
+def _trace_window(args: argparse.Namespace) -> tuple[float, float]:
+    """(trace seconds the workload covers, the speed it replays them at): --rate R rescales
+    the trace to R requests/s over its rest from --start, --speed K replays it K times
+    faster."""
+    from tuner.traces import load_trace
+
+    start = args.start or 0.0
+    arrivals = [r.arrival for r in load_trace(Path(args.trace), args.trace_format)
+                if r.arrival >= start]
+    span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
+    native = (len(arrivals) - 1) / span if span > 0 else math.inf
+    speed = args.rate / native if args.rate is not None else (args.speed or 1.0)
+    duration = args.duration if args.duration is not None else 60.0
+    return duration * speed, speed
+
+
+def _plan(args: argparse.Namespace, **changes: Any) -> list[Any]:
+    return plan_requests(argparse.Namespace(**{**vars(args), **changes}))
 
 
 def runner_options(mode: str, args: argparse.Namespace) -> RunnerOptions:

@@ -92,7 +92,7 @@ class Progress:
 
 
 ProgressFn = Callable[[Progress], None]
-StopFn = Callable[[list[RequestResult]], bool]  # True: send nothing more, cancel the rest
+StopFn = Callable[[RequestResult], bool]  # a request finished; True: send nothing more
 
 
 async def run_workload(
@@ -189,16 +189,27 @@ async def _dispatch(
     stop: StopFn | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Release each request at its arrival time (or when a concurrency slot frees up). `stop`
-    is asked after every finished request; once it says so, nothing more is sent and the
-    requests in flight are cancelled (their results stay without a first token or an end)."""
+    is told each finished request; once it says so, nothing more is sent and the requests in
+    flight are cancelled (their results stay without a first token or an end). An error
+    raised by `stop` ends the run and is raised here."""
     results = [RequestResult(i, r.tenant, r.priority, r.arrival) for i, r in enumerate(requests)]
     limit = asyncio.Semaphore(options.max_concurrency) if options.max_concurrency else None
     tasks: set[asyncio.Task[None]] = set()
     stopped = asyncio.Event()
+    stop_error: list[BaseException] = []
 
-    def finished(_task: asyncio.Task[None]) -> None:
-        if stop is not None and not stopped.is_set() and stop(results):
-            stopped.set()
+    def finisher(result: RequestResult) -> Callable[[asyncio.Task[None]], None]:
+        def finished(task: asyncio.Task[None]) -> None:
+            if stop is None or stopped.is_set() or task.cancelled():
+                return
+            try:
+                if stop(result):
+                    stopped.set()
+            except Exception as exc:  # noqa: BLE001 - re-raised by the dispatcher below
+                stop_error.append(exc)
+                stopped.set()
+
+        return finished
 
     t0 = time.perf_counter()
     ticker = asyncio.create_task(_tick(results, t0, on_progress)) if on_progress else None
@@ -212,10 +223,13 @@ async def _dispatch(
                 break
             if limit is not None:
                 await limit.acquire()
+                if stopped.is_set():
+                    limit.release()
+                    break
             task = asyncio.create_task(sender.send(req, result, t0))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-            task.add_done_callback(finished)
+            task.add_done_callback(finisher(result))
             if limit is not None:
                 task.add_done_callback(lambda _t: limit.release())
         while tasks and not stopped.is_set():
@@ -229,6 +243,8 @@ async def _dispatch(
             task.cancel()
         if ticker is not None:
             ticker.cancel()
+    if stop_error:
+        raise stop_error[0]
     duration = time.perf_counter() - t0
     if on_progress:
         on_progress(_progress(results, duration))

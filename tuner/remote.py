@@ -72,9 +72,11 @@ def replay_http(base_url: str, api_key: str | None, requests: Sequence[TraceRequ
     trial can no longer meet its SLOs; ValueError when it cannot run."""
     before = load_counters(base_url, api_key)
     reason: list[str] = []
+    finished: list[RequestTiming] = []  # append-only: the rule counts only what is new
 
-    def cut(results: list[RequestResult]) -> bool:
-        why = stop([timing_of(r) for r in results if _finished(r)])
+    def cut(result: RequestResult) -> bool:
+        finished.append(timing_of(result))
+        why = stop(finished)
         if why is not None:
             reason.append(why)
         return why is not None
@@ -93,22 +95,20 @@ def replay_http(base_url: str, api_key: str | None, requests: Sequence[TraceRequ
                    engine_stats=engine_window(base_url, api_key, time.monotonic() - started))
 
 
-def _finished(result: RequestResult) -> bool:
-    return result.e2e is not None or not result.ok
-
-
 def engine_window(base_url: str, api_key: str | None, seconds: float) -> dict[str, Any] | None:
-    """p99 TTFT and TPOT and the request count of a fairgate engine's `/stats` over the last
-    `seconds` (the trial's run); None for a server without it."""
+    """p99 TTFT and TPOT, and how many requests got a first token, from a fairgate engine's
+    `/stats` over the last `seconds` (the trial's run); None for a server without it."""
     try:
         status, body = request_json(f"{base_url}/stats?window={max(seconds, 0.001):.3f}",
                                     api_key)
     except OSError:
         return None
-    if status != 200 or not isinstance(body.get("ttft"), dict):
+    ttft, tpot = body.get("ttft"), body.get("tpot")
+    if status != 200 or not isinstance(ttft, dict) or not isinstance(tpot, dict):
         return None
-    return {"p99_ttft_s": body["ttft"].get("p99"), "p99_tpot_s": body["tpot"].get("p99"),
-            "requests": body.get("requests", {}).get("finished")}
+    # requests that finished with a first token: cancelled ones (a cut-short run) do not count
+    return {"p99_ttft_s": ttft.get("p99"), "p99_tpot_s": tpot.get("p99"),
+            "requests": ttft.get("count")}
 
 
 # ----------------------------------------------------------------------------- HTTP helpers

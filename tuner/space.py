@@ -111,6 +111,21 @@ class Space(Mapping[str, Dimension]):
     def describe(self) -> dict[str, str]:
         return {knob: dim.describe() for knob, dim in self.dimensions}
 
+    def check_fixed(self, params: Mapping[str, Any], what: str) -> None:
+        """ValueError unless Optuna can run `params` (a trial enqueued with fixed knobs: the
+        base config's, a baseline's) in this space: every value set, a choice among the
+        choices. A number outside a range is allowed (it runs as it is)."""
+        for knob, value in params.items():
+            dim = dict(self.dimensions).get(knob)
+            if dim is None:
+                continue
+            if value is None:
+                raise ValueError(f"space.{knob}: {what} leaves {knob} unset; set it (--set "
+                                 f"{knob}=VALUE) or drop {knob} from the space")
+            if isinstance(dim, Choices) and value not in dim.values:
+                raise ValueError(f"space.{knob}: {what} has {knob} {value!r}, not among the "
+                                 f"choices {dim.describe()}; add it to the choices")
+
     def values_of(self, config: EngineConfig) -> dict[str, Any]:
         """The space's knobs as `config` sets them (the base config's trial)."""
         return {knob: getattr(config, knob) for knob in self}

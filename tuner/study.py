@@ -24,13 +24,14 @@ it, protocol.measures' SLO attainment definition (linear interpolation would let
 request in a hundred make the p99 infinite).
 
 Modes: `RUNNERS` holds what is built: `sim` here, `replay` and `launch` in `tuner.remote` (real
-time, over HTTP; their early stop is applied after the run); a shadow runner implements the
-same `TrialRunner` protocol.
+time, over HTTP; their early stop cuts the load generator's run short); a shadow runner
+implements the same `TrialRunner` protocol.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -249,12 +250,22 @@ class TuneSpec:
 
     def fingerprint(self, prepared_base: EngineConfig) -> dict[str, Any]:
         """What a resumed study must agree on (JSON-shaped, as Optuna stores it)."""
+        digest = hashlib.sha256(json.dumps(
+            [[r.arrival, r.prompt_tokens, r.output_tokens, r.tenant, r.priority]
+             for r in self.requests]).encode()).hexdigest()[:16]
         value = {"mode": self.mode, "objective": self.objective,
                  "slo": [self.slo.ttft_s, self.slo.itl_s, self.slo.target],
                  "space": self.space.describe(), "requests": len(self.requests),
-                 "workload": self.workload, "base": prepared_base.to_dict()}
+                 "requests_sha256": digest, "workload": self.workload,
+                 "baseline": self.baseline, "base": prepared_base.to_dict()}
         loaded: dict[str, Any] = json.loads(json.dumps(value))
         return loaded
+
+
+FINGERPRINT_TEXT = {"requests": "number of requests",
+                    "requests_sha256": "workload (the same number of requests, other arrivals "
+                                       "or lengths)",
+                    "base": "base engine config"}
 
 
 # vLLM's benchmarks/auto_tune: every max_num_seqs x max_num_batched_tokens pair, each at the
@@ -321,7 +332,8 @@ def measure(run: TrialRun, planned: int, slo: SLO, seed: int = 0) -> TrialMeasur
     ttfts = [t.ttft if t.ok and t.ttft is not None else math.inf for t in timings] + missing
     tpots = [math.inf if not t.ok else t.tpot for t in timings] + missing
     ttft = quantile_ci(ttfts, slo.target, seed)
-    itl = quantile_ci([v for v in tpots if v is not None], slo.target, seed)
+    # no request with two tokens has no gap to miss: its p99 ITL is 0, not NaN
+    itl = quantile_ci([v for v in tpots if v is not None] or [0.0], slo.target, seed)
     good = goodput(timings, run.elapsed_s, slo)
     tokens = sum(t.num_output_tokens for t in timings if t.ok)
     return TrialMeasures(p99_ttft_s=ttft[0], p99_ttft_ci=ttft[1], p99_itl_s=itl[0],
@@ -335,17 +347,33 @@ def measure(run: TrialRun, planned: int, slo: SLO, seed: int = 0) -> TrialMeasur
 
 def early_stop(planned: int, slo: SLO) -> StopRule:
     """Stop once more requests missed a target than the p99 allows of the planned ones."""
-    allowed = planned - rank(planned, slo.target)
+    return EarlyStop(planned, slo)
 
-    def stop(finished: list[RequestTiming]) -> str | None:
-        for name, meets in (("TTFT", RequestTiming.meets_ttft), ("ITL", RequestTiming.meets_tpot)):
-            missed = sum(not meets(t, slo) for t in finished)
-            if missed > allowed:
-                return (f"stopped early: {missed} of {planned} requests missed the {name} SLO, "
-                        f"more than the {error_budget(slo.target):.0%} a p99 allows")
+
+class EarlyStop:
+    """The early-stop rule, incremental: a run hands it its append-only list of finished
+    timings, and only the new ones are counted (a new list starts the count afresh), so asking
+    after every finished request costs O(1) each."""
+
+    def __init__(self, planned: int, slo: SLO) -> None:
+        self.planned, self.slo = planned, slo
+        self.allowed = planned - rank(planned, slo.target)
+        self._list: list[RequestTiming] | None = None
+        self._seen = 0
+        self._missed = {"TTFT": 0, "ITL": 0}
+
+    def __call__(self, finished: list[RequestTiming]) -> str | None:
+        if finished is not self._list or len(finished) < self._seen:
+            self._list, self._seen, self._missed = finished, 0, {"TTFT": 0, "ITL": 0}
+        for timing in finished[self._seen:]:
+            self._missed["TTFT"] += not timing.meets_ttft(self.slo)
+            self._missed["ITL"] += not timing.meets_tpot(self.slo)
+        self._seen = len(finished)
+        for name, missed in self._missed.items():
+            if missed > self.allowed:
+                return (f"stopped early: {missed} of {self.planned} requests missed the {name} "
+                        f"SLO, more than the {error_budget(self.slo.target):.0%} a p99 allows")
         return None
-
-    return stop
 
 
 # ----------------------------------------------------------------------------- the study
@@ -424,7 +452,19 @@ class StudyOutcome:
 
     @property
     def grid(self) -> list[TrialRow]:
-        return [r for r in self.rows if (r.baseline or "").startswith("vllm-grid")]
+        """vLLM's grid trials that ran to an end (a killed one counts by its re-run)."""
+        labels = dict.fromkeys(r.baseline for r in self.rows
+                               if (r.baseline or "").startswith("vllm-grid"))
+        return [row for label in labels if label and (row := baseline_row(self.rows, label))
+                and row.state == "COMPLETE"]
+
+
+def baseline_row(rows: Sequence[TrialRow], label: str) -> TrialRow | None:
+    """The trial of a baseline: its last that completed (a killed one's re-run copies its
+    label), else its first."""
+    mine = [r for r in rows if r.baseline == label]
+    done = [r for r in mine if r.state == "COMPLETE"]
+    return done[-1] if done else next(iter(mine), None)
 
 
 Progress = ProgressBar  # tuner.progress: a bar on a terminal, one line per event elsewhere
@@ -458,7 +498,8 @@ def run_study(spec: TuneSpec, progress: Progress | None = None) -> StudyOutcome:
 
     runner = _runner(spec, 0)
     prepared = runner.prepare(spec.base)
-    study = _open_study(spec, prepared, open_storage(spec))
+    baselines = baseline_params(spec, prepared)  # checked before the storage is touched
+    study = _open_study(spec, prepared, open_storage(spec), baselines)
     if progress is not None:
         earlier = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         progress.started = progress.done = earlier
@@ -466,18 +507,22 @@ def run_study(spec: TuneSpec, progress: Progress | None = None) -> StudyOutcome:
                  + (f", resumed with {earlier} trials done" if earlier else "")
                  + f"; {len(spec.requests)} requests per trial"
                  + (f"; {spec.workers} workers" if spec.workers > 1 else ""))
+    _settle_running(spec, study, progress)
     children = _start_workers(spec)
     try:
         _optimize(spec, study, runner, prepared, worker=0, progress=progress)
     finally:
         failed = _join_workers(children)
-    if failed and progress is not None:
-        progress.note(f"fairgate tune: {failed} worker(s) exited early; a trial they left is "
-                 "retried by the next run of this study")
+    if failed:
+        if progress is not None:
+            progress.note(f"fairgate tune: {failed} worker(s) exited early; re-running what "
+                          "they left")
+        _settle_running(spec, study, progress)
+        _optimize(spec, study, runner, prepared, worker=0, progress=progress)
     robustness = _robustness(spec, study, runner, prepared, progress)
     rows = [TrialRow.of(t) for t in study.get_trials(deepcopy=False)]
     outcome = StudyOutcome(spec.study_name, rows, recommend(rows, robustness),
-                           next((r for r in rows if r.baseline == "default"), None),
+                           baseline_row(rows, "default"),
                            robustness=robustness,
                            front=pareto_front(rows) if spec.multi_objective else [])
     return dataclasses.replace(outcome, files=write_outputs(spec, outcome, study))
@@ -490,8 +535,20 @@ def _runner(spec: TuneSpec, worker: int) -> TrialRunner:
     return RUNNERS[spec.mode](options)
 
 
-def _open_study(spec: TuneSpec, prepared: EngineConfig,
-                storage: optuna.storages.BaseStorage) -> optuna.Study:
+def baseline_params(spec: TuneSpec, prepared: EngineConfig) -> list[tuple[str, dict[str, Any]]]:
+    """(label, knobs) of the trials enqueued before the search: the base config, then the vLLM
+    grid; ValueError when the space cannot hold one of them."""
+    out = [("default", _default_params(spec, prepared))]
+    if spec.baseline == "vllm-grid":
+        out += vllm_grid(spec, prepared)
+    for label, params in out:
+        spec.space.check_fixed(params, "the base config" if label == "default"
+                               else f"--baseline {label}")
+    return out
+
+
+def _open_study(spec: TuneSpec, prepared: EngineConfig, storage: optuna.storages.BaseStorage,
+                baselines: Sequence[tuple[str, dict[str, Any]]]) -> optuna.Study:
     directions: list[optuna.study.StudyDirection] = [optuna.study.StudyDirection.MAXIMIZE]
     if spec.multi_objective:
         directions.append(optuna.study.StudyDirection.MINIMIZE)
@@ -502,14 +559,14 @@ def _open_study(spec: TuneSpec, prepared: EngineConfig,
     if stored is None:
         study.set_user_attr("spec", fingerprint)
     elif stored != fingerprint:
-        differ = ", ".join(k for k in fingerprint if stored.get(k) != fingerprint[k])
+        keys = [k for k in fingerprint if stored.get(k) != fingerprint[k]]
+        if "requests" in keys and "requests_sha256" in keys:
+            keys.remove("requests_sha256")
+        differ = ", ".join(FINGERPRINT_TEXT.get(k, k) for k in keys)
         raise ValueError(f"study {spec.study_name!r} was made with a different {differ}; "
                          "resume it with the same options or pick a new --study name")
-    study.enqueue_trial(_default_params(spec, prepared), user_attrs={"baseline": "default"},
-                        skip_if_exists=True)
-    if spec.baseline == "vllm-grid":
-        for label, params in vllm_grid(spec, prepared):
-            study.enqueue_trial(params, user_attrs={"baseline": label}, skip_if_exists=True)
+    for label, params in baselines:
+        study.enqueue_trial(params, user_attrs={"baseline": label}, skip_if_exists=True)
     return study
 
 
@@ -523,16 +580,15 @@ def _sampler(spec: TuneSpec, study: optuna.Study, worker: int) -> optuna.sampler
 
 def _optimize(spec: TuneSpec, study: optuna.Study, runner: TrialRunner, prepared: EngineConfig,
               worker: int, progress: Progress | None) -> None:
-    """This worker's share: trials until the study holds spec.trials finished ones."""
+    """This worker's share: trials until the study holds spec.trials, finished or running."""
     study.sampler = _sampler(spec, study, worker)
     n_trials = None
     callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] = []
     if spec.trials is not None:
-        n_trials = spec.trials - len(study.get_trials(deepcopy=False, states=(
-            TrialState.COMPLETE,)))
+        n_trials = spec.trials - _taken(study)
         if n_trials <= 0:
             return
-        callbacks.append(optuna.study.MaxTrialsCallback(spec.trials))
+        callbacks.append(_StudySize(spec.trials))
     evaluate = _Evaluator(spec, runner, prepared, progress, worker)
     if progress is not None:
         callbacks.append(_ProgressLine(spec, progress))
@@ -542,6 +598,56 @@ def _optimize(spec: TuneSpec, study: optuna.Study, runner: TrialRunner, prepared
         warnings.filterwarnings("ignore", "Fixed parameter .* is out of range", UserWarning)
         study.optimize(evaluate, n_trials=n_trials, timeout=spec.timeout_s,
                        callbacks=callbacks, gc_after_trial=False)
+
+
+def _taken(study: optuna.Study) -> int:
+    """Trials that count toward the study's size: finished, or running in some worker."""
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,
+                                                        TrialState.RUNNING)))
+
+
+class _StudySize:
+    """Stops a worker once the study's trials, finished or running anywhere, reach its size
+    (a worker never starts a trial the others already fill)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        if _taken(study) >= self.size:
+            study.stop()
+
+
+def _settle_running(spec: TuneSpec, study: optuna.Study, progress: Progress | None) -> None:
+    """Trials RUNNING when this worker starts belong to a live worker or to one that was
+    killed. Wait until each finishes or misses its heartbeats for the grace period (then it is
+    failed and queued again with the same knobs, `open_storage`), so a study restarted at once
+    after a kill still re-runs the killed trial; a trial still beating after that is a live
+    worker's, and counts toward the size."""
+    if spec.trials is None:
+        return
+    running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    if not running:
+        return
+    wait_s = 3 * spec.heartbeat_s  # the grace period (2 beats) and one more beat
+    if progress is not None:
+        progress.note(f"fairgate tune: trial(s) {', '.join(f'#{n}' for n in sorted(running))} "
+                      f"running (another worker's, or a killed one's): waiting up to {wait_s} s "
+                      "for their heartbeats")
+    deadline = time.monotonic() + wait_s
+    while True:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        still = running & {t.number for t in study.get_trials(
+            deepcopy=False, states=(TrialState.RUNNING,))}
+        if not still or time.monotonic() > deadline:
+            break
+        time.sleep(min(0.5, spec.heartbeat_s / 4))
+    ended = running - still
+    if progress is not None and ended:
+        progress.note(f"fairgate tune: trial(s) {', '.join(f'#{n}' for n in sorted(ended))} "
+                      "ended or stopped beating; one that stopped runs again with its knobs")
 
 
 WORKER_START_S = 120.0  # how long the first worker waits for the others to load the study
@@ -761,7 +867,9 @@ def _robustness(spec: TuneSpec, study: optuna.Study, runner: TrialRunner,
     if not spec.variants or spec.robust_top <= 0:
         return []
     rows = [TrialRow.of(t) for t in study.get_trials(deepcopy=False)]
-    top = _distinct(sorted((r for r in rows if r.feasible and r.value is not None),
+    # pareto: only points of the front, so the recommendation is never a dominated config
+    pool = pareto_front(rows) if spec.multi_objective else rows
+    top = _distinct(sorted((r for r in pool if r.feasible and r.value is not None),
                            key=lambda r: (-(r.value or 0.0), r.number)))[:spec.robust_top]
     known = study.user_attrs.get("robustness", {})
     labels = [v.label for v in spec.variants]
@@ -845,6 +953,7 @@ class _ProgressLine:
         best = best_row(rows)
         best_text = (f"best {value_text(best)} (#{best.number})" if best is not None
                      else "no feasible trial yet")
+        self.progress.done = len(rows) - 1  # the study's, every worker's: finish adds this one
         self.progress.finish(trial.number, describe_result(TrialRow.of(trial)), best_text)
 
 

@@ -24,7 +24,6 @@ from tuner import report_html as html
 from tuner.study import (
     OBJECTIVE_TEXT,
     OBJECTIVE_UNIT,
-    VIOLATION_CAP,
     StudyOutcome,
     TrialRow,
     TuneSpec,
@@ -44,6 +43,8 @@ def write_outputs(spec: TuneSpec, outcome: StudyOutcome,
     if outcome.best is not None:
         files = {"best.yaml": best_yaml(spec, outcome), **files}
     spec.out_dir.mkdir(parents=True, exist_ok=True)
+    if outcome.best is None:  # an earlier run's recommendation must not outlive this report
+        (spec.out_dir / "best.yaml").unlink(missing_ok=True)
     paths = []
     for name, text in files.items():
         path = spec.out_dir / name
@@ -107,7 +108,8 @@ def trials_csv(spec: TuneSpec, rows: Sequence[TrialRow]) -> str:
                          *(_cell((row.capacity or {}).get(name, "")) for name in
                            (CAPACITY_COLUMNS if capacity else ())),
                          *(_cell(m.get(name)) for name in CSV_MEASURES),
-                         *(_cell(engine.get(name)) if engine else "" for name in ENGINE_COLUMNS),
+                         *("" if engine.get(name) is None else _cell(engine[name])
+                           for name in ENGINE_COLUMNS),
                          "" if row.retried_from is None else row.retried_from,
                          row.infeasible or ""])
     return out.getvalue()
@@ -230,22 +232,42 @@ def _robustness_md(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
 
 
 def _table(spec: TuneSpec, rows: Sequence[TrialRow], names: Sequence[str] = ()) -> list[str]:
+    return _markdown([_table_header(spec, names), *_table_cells(spec, rows, names)])
+
+
+def _table_cells(spec: TuneSpec, rows: Sequence[TrialRow],
+                 names: Sequence[str] = ()) -> list[list[str]]:
     knobs = list(spec.space)
-    extra = CAPACITY_COLUMNS[:1] if spec.objective == "capacity" else ()  # the rate factor
-    cols = [*([""] if names else []), "trial", *knobs,
-            f"{spec.objective} {OBJECTIVE_UNIT[spec.objective]}",
-            *(f"rate {name}" for name in extra), "p99 TTFT (95% CI)", "p99 ITL (95% CI)",
-            "result"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    extra = CAPACITY_COLUMNS[:1] if spec.objective == "capacity" else ()
+    out = []
     for i, row in enumerate(rows):
         m = row.measures or {}
         label = [names[i]] if names else []
-        cells = [*label, f"#{row.number}", *(str(row.params.get(k, "")) for k in knobs),
-                 f"{row.value or 0:.4g}", *(_cell((row.capacity or {}).get(n)) for n in extra),
-                 _with_ci(m, "p99_ttft"), _with_ci(m, "p99_itl"),
-                 "feasible" if row.feasible else (row.infeasible or row.state.lower())]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        out.append([*label, f"#{row.number}", *(_knob(row.params.get(k, "")) for k in knobs),
+                    f"{row.value or 0:.4g}", *(_cell((row.capacity or {}).get(n)) for n in extra),
+                    _with_ci(m, "p99_ttft"), _with_ci(m, "p99_itl"),
+                    "feasible" if row.feasible else (row.infeasible or row.state.lower())])
+    return out
+
+
+def _table_header(spec: TuneSpec, names: Sequence[str] = ()) -> list[str]:
+    extra = CAPACITY_COLUMNS[:1] if spec.objective == "capacity" else ()
+    return [*([""] if names else []), "trial", *spec.space,
+            f"{spec.objective} {OBJECTIVE_UNIT[spec.objective]}",
+            *(f"rate {name}" for name in extra), "p99 TTFT (95% CI)", "p99 ITL (95% CI)",
+            "result"]
+
+
+def _knob(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _markdown(table: Sequence[Sequence[str]]) -> list[str]:
+    """A header row and body rows as a Markdown table; a `|` inside a cell is escaped."""
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    return [line(table[0]), "|" + " --- |" * len(table[0]), *map(line, table[1:])]
 
 
 def _with_ci(m: dict[str, Any], name: str) -> str:
@@ -320,7 +342,7 @@ def param_importances(study: optuna.Study | None) -> dict[str, float]:
     if study is None:
         return {}
     trials = [t for t in study.get_trials(deepcopy=False, states=(
-        optuna.trial.TrialState.COMPLETE,)) if t.values and t.values[0] < VIOLATION_CAP]
+        optuna.trial.TrialState.COMPLETE,)) if t.user_attrs.get("ran")]
     if len(trials) < 3 or len({tuple(sorted(t.params.items())) for t in trials}) < 2:
         return {}
     try:
@@ -333,7 +355,5 @@ def param_importances(study: optuna.Study | None) -> dict[str, float]:
 
 
 def _html_table(spec: TuneSpec, rows: Sequence[TrialRow], names: Sequence[str] = ()) -> str:
-    """_table's rows as HTML."""
-    lines = _table(spec, rows, names)
-    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines]
-    return html.table_html(cells[0], cells[2:])
+    """_table's cells as HTML."""
+    return html.table_html(_table_header(spec, names), _table_cells(spec, rows, names))

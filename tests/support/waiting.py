@@ -26,13 +26,3 @@ async def wait_until(check: Callable[[], Awaitable[bool]], timeout: float, what:
             raise AssertionError(f"still not true after {timeout} s: {what}")
         await asyncio.sleep(every)
 
-
-def poll_until(check: Callable[[], bool], timeout: float, what: str, *,
-               every: float = 0.05) -> None:
-    """wait_until for code with no event loop: `check()` asked every `every` s (a query of
-    another process's state), AssertionError naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still not true after {timeout} s: {what}")
-        time.sleep(every)

@@ -114,6 +114,37 @@ def test_resuming_with_other_options_is_refused(
     slos = ["--slo-ttft-p99", "0.4", "--slo-itl-p99", "0.05"]
     assert tune(tmp_path, "--trials", "1", study="fixed", slos=slos) == 2
     assert "was made with a different slo" in capsys.readouterr().err
+    # the same number of requests drawn with another seed is another workload
+    assert tune(tmp_path, "--trials", "1", "--seed", "5", study="fixed") == 2
+    assert "different number of requests" in capsys.readouterr().err
+    for name, tokens in (("a.jsonl", 100), ("b.jsonl", 200)):  # the same count, other lengths
+        (tmp_path / name).write_text("".join(
+            f'{{"arrival": {i * 0.1}, "prompt_tokens": {tokens}, "output_tokens": 8}}\n'
+            for i in range(20)))
+    assert tune(tmp_path, "--trials", "1", study="t", workload=[
+        "--trace", str(tmp_path / "a.jsonl")]) == 0
+    capsys.readouterr()
+    assert tune(tmp_path, "--trials", "1", study="t", workload=[
+        "--trace", str(tmp_path / "b.jsonl")]) == 2
+    assert "different workload (the same number of requests" in capsys.readouterr().err
+    assert tune(tmp_path, "--trials", "9", "--baseline", "vllm-grid", study="fixed") == 2
+    assert "different baseline" in capsys.readouterr().err
+
+
+def test_a_run_with_no_winner_leaves_no_old_best_yaml(tmp_path: Path) -> None:
+    assert tune(tmp_path, "--trials", "2", study="a") == 0
+    assert (tmp_path / "out" / "best.yaml").exists()
+    impossible = ["--slo-ttft-p99", "0.0001", "--slo-itl-p99", "0.0001"]
+    assert tune(tmp_path, "--trials", "1", study="b", slos=impossible) == 1
+    assert not (tmp_path / "out" / "best.yaml").exists()
+    assert "No trial met both SLOs" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_an_out_path_that_is_a_file_is_refused_before_any_trial(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "out").write_text("not a directory")
+    assert tune(tmp_path, "--trials", "1") == 2
+    assert "--out" in capsys.readouterr().err and not (tmp_path / "studies.db").exists()
 
 
 BAD_INPUTS = [
@@ -125,6 +156,11 @@ BAD_INPUTS = [
     (["--baseline", "vllm-grid"], "max_num_seqs: {low: 8, high: 64}\n",
      "add max_num_batched_tokens to the space"),
     (["--workers", "0"], None, "--workers must be a positive integer"),
+    (["--baseline", "vllm-grid", "--trials", "9"],
+     "max_num_seqs: {choices: [32, 64]}\nmax_num_batched_tokens: {choices: [2048, 4096]}\n",
+     "--baseline vllm-grid 128x512 has max_num_seqs 128, not among the choices {32, 64}"),
+    ([], "num_kv_blocks: {low: 256, high: 4096}\n", "the base config leaves num_kv_blocks unset"),
+    ([], "policy: {choices: [sjf, prefix]}\n", "has policy 'fcfs', not among the choices"),
     (["--robustness", "-1"], None, "--robustness must be in [0, 16]"),
     (["--set", "max_num_seq=8"], None, "did you mean max_num_seqs?"),
     (["--trials", "0"], None, "--trials must be a positive integer"),
@@ -296,3 +332,22 @@ def test_a_storage_url_of_no_known_database_is_one_line(
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "nonsense://x" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_robustness_slices_are_the_next_stretches_of_the_trace_at_the_same_speed() -> None:
+    from fairgate.cli import build_parser
+    from fairgate.tune_cli import variants
+    from tuner.traces import load_trace
+
+    path = Path(__file__).parent / "data" / "azure_conv_head.csv"
+    args = build_parser(["tune"]).parse_args(["tune", "--trace", str(path), "--duration", "20"])
+    args.speed = 2.0  # as a library caller may set it (the command line has --rate)
+    trace = load_trace(path)
+    first, second = variants(args, 2)
+    for variant, start in ((first, 40.0), (second, 80.0)):  # 20 s at 2x: 40 trace seconds
+        assert variant.label == f"trace slice from {start:.1f} s"
+        t0 = next(r.arrival for r in trace if r.arrival >= start)
+        expected = [r for r in trace if t0 <= r.arrival < t0 + 40.0]
+        assert [r.prompt_tokens for r in variant.requests] == [r.prompt_tokens for r in expected]
+        assert [r.arrival for r in variant.requests] == pytest.approx(
+            [(r.arrival - t0) / 2 for r in expected])

@@ -81,15 +81,19 @@ def test_replay_reconfigures_the_engine_per_trial(tmp_path: Path, engine_url: st
 def test_replay_stops_a_hopeless_trial_early(tmp_path: Path, engine_url: str) -> None:
     """An SLO no request can meet: the run stops after the first misses past the 1% budget,
     so most of the workload is never sent (the engine saw only those requests)."""
-    workload = ["--workload", "uniform", "--rate", "10", "--duration", "6"]  # about 60
+    workload = ["--workload", "uniform", "--rate", "10", "--duration", "20"]  # about 200
     code = main(["tune", "--mode", "replay", "--url", engine_url, *workload, "--slo-ttft-p99",
                  "0.0001", "--slo-itl-p99", "0.5", "--space", _space(tmp_path), "--trials", "1",
                  "--storage", f"sqlite:///{tmp_path / 'studies.db'}", "--out",
                  str(tmp_path / "out")])
     assert code == 1
     [row] = read_trials(tmp_path)
-    assert re.match(r"stopped early: 1 of (\d+) requests missed the TTFT SLO", row["infeasible"])
-    assert int(row["engine_requests"]) < 30  # the rest were never sent or were cancelled
+    stopped = re.match(r"stopped early: \d+ of (\d+) requests missed the TTFT SLO",
+                       row["infeasible"])
+    assert stopped is not None, row["infeasible"]
+    planned = int(stopped.group(1))
+    # the rest were never sent or were cancelled: the engine finished few of them
+    assert int(row["engine_requests"] or 0) < planned / 2
 
 
 def test_replay_with_two_engines_runs_a_worker_on_each(tmp_path: Path, engine_url: str) -> None:
