@@ -113,6 +113,8 @@ def test_calibrate_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["tune", "calibrate", "--out", str(tmp_path / "no" / "p.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["tune", "calibrate", "--repeats", "0"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--repeats must be" in err, err
 
 
 def test_only_tune_then_calibrate_is_the_nested_command() -> None:
