@@ -404,7 +404,9 @@ class TrialRow:
         attrs = trial.user_attrs
         values = trial.values
         baseline = attrs.get("baseline")
-        return cls(number=trial.number, state=trial.state.name, params=dict(trial.params),
+        # a stepped float comes back as 0.8799999999999999: as its step wrote it
+        params = {k: round(v, 9) if isinstance(v, float) else v for k, v in trial.params.items()}
+        return cls(number=trial.number, state=trial.state.name, params=params,
                    baseline=baseline if isinstance(baseline, str) else None,
                    ran=bool(attrs.get("ran")), measures=attrs.get("measures"),
                    value=values[0] if values else None, infeasible=attrs.get("infeasible"),
@@ -431,8 +433,9 @@ class Robustness:
         """The worst case's relative change from the study's value (-0.1: 10% lower)."""
         return self.worst / self.value - 1 if self.value > 0 else 0.0
 
-    def key(self) -> tuple[int, float]:
-        return (-len(self.missed), self.worst)
+    def key(self) -> tuple[int, float, float]:
+        """Fewest variants missed, then the best worst case, then the best study value."""
+        return (-len(self.missed), self.worst, self.value)
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,9 @@ def margin_text(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
                                                           best_row(outcome.grid))):
         if other is None:
             if name != "the default" and outcome.grid:
-                lines.append(f"- none of vLLM's {len(outcome.grid)} grid configs met both SLOs")
+                first = outcome.grid[0]
+                lines.append(f"- none of vLLM's {len(outcome.grid)} grid configs met both SLOs "
+                             f"(#{first.number}: {first.infeasible})")
             continue
         if other.number == best.number:
             lines.append(f"- {name} (#{other.number}) is the recommendation")

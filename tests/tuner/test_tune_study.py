@@ -87,6 +87,8 @@ def test_the_recommendation_is_the_best_worst_case() -> None:
     assert recommend(rows, robust) is rows[1]
     assert robust[1].moved == pytest.approx(8.5 / 9 - 1)
     assert recommend(rows, []) is rows[0]  # without re-runs: the study's best
+    tied = [Robustness(1, 10.0, {"seed 1": 8.0}, {}), Robustness(2, 9.0, {"seed 1": 8.0}, {})]
+    assert recommend(rows, tied) is rows[0]  # equal worst cases: the better study value
 
 
 def test_pareto_study_writes_its_front_and_recommends_a_point_of_it(tmp_path: Path) -> None:
