@@ -146,6 +146,88 @@ async def queues(request: web.Request) -> web.Response:
                               "backends": backends})
 
 
+# ---- shadow traffic (gateway/shadow.py) -------------------------------------------------------
+def _mirror(request: web.Request) -> Any:
+    name = request.match_info["name"]
+    mirror = request.app[GATEWAY].shadows.mirrors.get(name)
+    if mirror is None:
+        raise ApiError(404, f"no shadow target named {name!r}", code="shadow_not_found")
+    return mirror
+
+
+async def list_shadows(request: web.Request) -> web.Response:
+    request.app[AUTH].check_admin(request)
+    shadows = request.app[GATEWAY].shadows
+    return web.json_response({"shadows": [m.describe() for m in shadows.mirrors.values()]})
+
+
+async def put_shadow(request: web.Request) -> web.Response:
+    """POST /admin/shadow {name, url, kind?, model?, sample?, tenants?, ...}: start a target,
+    or replace the one of that name (a changed sample or tenant list keeps its pairs)."""
+    request.app[AUTH].check_admin(request)
+    body = await read_json(request)
+    from gateway.config import ShadowConfig
+
+    try:
+        config = ShadowConfig.from_dict(body)
+    except ValueError as exc:
+        raise bad_request(str(exc), _field_of(str(exc))) from None
+    existed = config.name in request.app[GATEWAY].shadows.mirrors
+    mirror = await request.app[GATEWAY].shadows.put(config)
+    return web.json_response(mirror.describe(), status=200 if existed else 201)
+
+
+async def patch_shadow(request: web.Request) -> web.Response:
+    """PATCH /admin/shadow/{name} {sample?, tenants?, max_inflight?, max_queue?}"""
+    request.app[AUTH].check_admin(request)
+    mirror = _mirror(request)
+    body = await read_json(request)
+    from gateway.config import ShadowConfig
+
+    allowed = ("sample", "tenants", "max_inflight", "max_queue", "timeout_s")
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise bad_request(f"cannot change {', '.join(unknown)} here (only "
+                          f"{', '.join(allowed)}); POST /admin/shadow to replace the target",
+                          unknown[0])
+    current = dataclasses.asdict(mirror.config)
+    current["tenants"] = "all" if mirror.config.tenants == ("all",) else list(
+        mirror.config.tenants)
+    try:
+        config = ShadowConfig.from_dict({**current, **body})
+    except ValueError as exc:
+        raise bad_request(str(exc), _field_of(str(exc))) from None
+    return web.json_response((await request.app[GATEWAY].shadows.put(config)).describe())
+
+
+async def delete_shadow(request: web.Request) -> web.Response:
+    request.app[AUTH].check_admin(request)
+    name = _mirror(request).name
+    await request.app[GATEWAY].shadows.remove(name)
+    return web.json_response({"deleted": name})
+
+
+async def shadow_stats(request: web.Request) -> web.Response:
+    """GET /admin/shadow/{name}/stats?window=S (default 300 s): the pairs completed in the
+    last S seconds, both sides side by side."""
+    request.app[AUTH].check_admin(request)
+    mirror = _mirror(request)
+    raw = request.query.get("window", "300")
+    try:
+        window = float(raw)
+    except ValueError:
+        raise bad_request("window must be a number of seconds", "window") from None
+    if not 0 < window < float("inf"):
+        raise bad_request("window must be > 0 seconds", "window")
+    return web.json_response(mirror.stats(window))
+
+
+def _field_of(message: str) -> str | None:
+    """`gateway.shadow[x].sample must ...` -> `sample`, for the error's param."""
+    head = message.split(" ", 1)[0]
+    return head.rsplit(".", 1)[-1] if "." in head else None
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/usage", usage)
@@ -154,3 +236,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/admin/tenants/{name}/keys", create_key)
     app.router.add_get("/admin/usage/{name}", tenant_usage)
     app.router.add_get("/admin/queues", queues)
+    app.router.add_get("/admin/shadow", list_shadows)
+    app.router.add_post("/admin/shadow", put_shadow)
+    app.router.add_patch("/admin/shadow/{name}", patch_shadow)
+    app.router.add_delete("/admin/shadow/{name}", delete_shadow)
+    app.router.add_get("/admin/shadow/{name}/stats", shadow_stats)

@@ -64,7 +64,7 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
                               failures_per_s=settings.auth_failures_per_s,
                               failure_burst=settings.auth_failure_burst)
     _read_at_scrape(metrics, gw, app[AUTH])
-    app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker])
+    app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker, _shadows])
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     admin.add_routes(app)
@@ -159,6 +159,15 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def _shadows(app: web.Application) -> AsyncIterator[None]:
+    shadows = app[GATEWAY].shadows
+    shadows.start()
+    try:
+        yield
+    finally:
+        await shadows.close()
 
 
 # ---- metrics: per-tenant series, so never where tenants can read them -----------------------

@@ -6,6 +6,7 @@ Every key has a default; an unknown key or a wrong value is a ValueError naming 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -68,12 +69,82 @@ class BackendConfig:
         return server_root(self.url)
 
 
+_PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+# a shadow target's URL and name, as the config check and the admin API's schema read them
+SHADOW_URL_PATTERN = rf"^https?://[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:{_PORT})?(/v1)?$"
+SHADOW_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+@dataclass(frozen=True)
+class ShadowConfig:
+    """A shadow target (gateway/shadow.py): a candidate engine that receives a sample of the
+    admitted live requests; its answers are measured and thrown away."""
+
+    name: str
+    url: str
+    kind: str = "fairgate"
+    model: str | None = None  # the model name to send; None: the live request's
+    sample: float = 1.0  # the share of admitted requests copied
+    tenants: tuple[str, ...] = ("all",)  # whose requests; ("all",): everyone's
+    max_inflight: int = 16  # copies in flight at once (its own connection pool)
+    max_queue: int = 256  # copies waiting for a slot; a copy finding it full is dropped
+    api_key: str | None = None
+    timeout_s: float = 120.0  # one copy, end to end, and the longest silence in its stream
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not re.match(SHADOW_NAME_PATTERN, self.name):
+            raise ValueError("gateway.shadow[].name must be 1-64 letters, digits, '.', '_' or "
+                             f"'-', got {self.name!r}")
+        if not isinstance(self.url, str) or not re.match(SHADOW_URL_PATTERN, self.url):
+            raise ValueError(f"gateway.shadow[{self.name}].url must be http(s)://host[:port] "
+                             f"(optionally with /v1), got {self.url!r}")
+        check_choice(f"gateway.shadow[{self.name}].kind", self.kind, BACKEND_KINDS)
+        check_number(f"gateway.shadow[{self.name}].sample", self.sample, low=0, high=1)
+        check_int(f"gateway.shadow[{self.name}].max_inflight", self.max_inflight, low=1,
+                  high=1024)
+        check_int(f"gateway.shadow[{self.name}].max_queue", self.max_queue, low=1,
+                  high=1_000_000)
+        check_number(f"gateway.shadow[{self.name}].timeout_s", self.timeout_s, low=0,
+                     high=86400, open_low=True)
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not re.fullmatch(
+                r"[!-~]+", self.api_key)):
+            raise ValueError(f"gateway.shadow[{self.name}].api_key must be visible ASCII "
+                             "characters (it is sent in an HTTP header)")
+        if not self.tenants or not all(isinstance(t, str) and t for t in self.tenants):
+            raise ValueError(f"gateway.shadow[{self.name}].tenants must be 'all' or a list of "
+                             "tenant names")
+
+    @property
+    def base_url(self) -> str:
+        return server_root(self.url)
+
+    @classmethod
+    def from_dict(cls, value: Any) -> ShadowConfig:
+        if not isinstance(value, dict):
+            raise ValueError(f"gateway.shadow entries must be mappings with a name and a url, "
+                             f"got {value!r}")
+        value = dict(value)
+        for name in ("max_inflight", "max_queue"):  # JSON's 341.0 is the integer 341
+            number = value.get(name)
+            if isinstance(number, float) and number.is_integer():
+                value[name] = int(number)
+        tenants = value.get("tenants", "all")
+        if tenants == "all":
+            value["tenants"] = ("all",)
+        elif isinstance(tenants, list):
+            value["tenants"] = tuple(tenants)
+        else:
+            raise ValueError("gateway.shadow[].tenants must be 'all' or a list of tenant names")
+        return from_mapping(cls, value, "gateway.shadow")
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     admin_key: str | None = None  # None: /admin/* is disabled
     backends: tuple[BackendConfig, ...] = ()  # empty: one embedded engine from `engine`
+    shadow: tuple[ShadowConfig, ...] = ()  # candidate engines that receive copies of live traffic
     dispatch: str = "fair"  # fair (priority class, then weighted VTC) | fcfs (the baseline)
     tokenizer: str | None = None  # tokenizer.json for counting prompts sent to remote backends
     max_body_bytes: int = 1 << 20
@@ -151,6 +222,13 @@ class GatewayConfig:
         if not isinstance(backends, list):
             raise ValueError("gateway.backends must be a list of {url: ...} mappings")
         values["backends"] = tuple(_backend(b) for b in backends)
+        shadow = values.get("shadow") or []
+        if not isinstance(shadow, list):
+            raise ValueError("gateway.shadow must be a list of {name, url, ...} mappings")
+        values["shadow"] = tuple(ShadowConfig.from_dict(s) for s in shadow)
+        names = [s.name for s in values["shadow"]]
+        if len(set(names)) != len(names):
+            raise ValueError(f"gateway.shadow names must be unique, got {names}")
         return from_mapping(cls, values, "gateway")
 
 

@@ -51,6 +51,22 @@ class GatewayMetrics:
         self.inflight = Gauge("fairgate_gateway_backend_inflight",
                               "Requests dispatched to a backend and unfinished", ["backend"],
                               registry=r)
+        # shadow traffic (gateway/shadow.py): copies, never part of a tenant's figures
+        self.shadow_sent = Counter("fairgate_gateway_shadow_sent_total",
+                                   "Copies of live requests sent to a shadow target", ["shadow"],
+                                   registry=r)
+        self.shadow_dropped = Counter("fairgate_gateway_shadow_dropped_total",
+                                      "Copies not sent (queue_full: the target is behind)",
+                                      ["shadow", "reason"], registry=r)
+        self.shadow_failed = Counter("fairgate_gateway_shadow_failed_total",
+                                     "Copies the shadow target failed or did not finish",
+                                     ["shadow"], registry=r)
+        self.shadow_ttft = Histogram("fairgate_gateway_shadow_ttft_seconds",
+                                     "A copy's time to first token, from its send", ["shadow"],
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.shadow_itl = Histogram("fairgate_gateway_shadow_itl_seconds",
+                                    "Gaps between a copy's tokens", ["shadow"],
+                                    buckets=_ITL_BUCKETS, registry=r)
         self._children: dict[tuple[str, ...], Any] = {}
         self._slo_counts: dict[tuple[str, str], list[int]] = {}
         self._read = _ReadAtScrape()

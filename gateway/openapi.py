@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.config import BACKEND_KINDS, SHADOW_NAME_PATTERN, SHADOW_URL_PATTERN
 from protocol import openapi as protocol_schemas
 from protocol.openapi import Schema, nullable
 from protocol.priority import PRIORITIES
@@ -88,6 +89,17 @@ def _object(**properties: Schema) -> Schema:
 
 STRING: Schema = {"type": "string"}
 COUNT: Schema = {"type": "integer", "minimum": 0}
+SHADOW_NAME: Schema = {"type": "string", "pattern": SHADOW_NAME_PATTERN}
+_SHADOW_URL: Schema = {"type": "string", "description": "http(s)://host[:port][/v1]",
+                       "pattern": SHADOW_URL_PATTERN}
+_SHADOW_CHANGE: dict[str, Schema] = {
+    "sample": {"type": "number", "minimum": 0, "maximum": 1},
+    "tenants": {"oneOf": [{"const": "all"}, {"type": "array", "minItems": 1,
+                                             "items": {"type": "string", "minLength": 1}}]},
+    "max_inflight": {"type": "integer", "minimum": 1, "maximum": 1024},
+    "max_queue": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
+    "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400}}
+
 GATEWAY_SCHEMAS: dict[str, Schema] = {
     "TenantCreate": tenant_create_schema(),
     "Tenant": dataclass_schema(TenantInfo),
@@ -103,6 +115,30 @@ GATEWAY_SCHEMAS: dict[str, Schema] = {
                                       "description": "requests by HTTP status"}),
     "Queues": _object(policy=STRING, tenants={"type": "object"},
                       backends={"type": "array", "items": {"type": "object"}}),
+    "ShadowCreate": {"type": "object", "required": ["name", "url"],
+                     "additionalProperties": False,
+                     "properties": {"name": SHADOW_NAME, "url": _SHADOW_URL,
+                                    "kind": {"enum": list(BACKEND_KINDS)},
+                                    "model": nullable(STRING),
+                                    "api_key": nullable({"type": "string",
+                                                         "pattern": "^[!-~]+$"}),
+                                    **_SHADOW_CHANGE}},
+    "ShadowChange": {"type": "object", "additionalProperties": False,
+                     "properties": _SHADOW_CHANGE},
+    "Shadow": _object(name=STRING, url=STRING, kind=STRING, sample={"type": "number"},
+                      queued=COUNT, sent=COUNT, dropped=COUNT, failed=COUNT, pairs=COUNT),
+    "ShadowList": _object(shadows={"type": "array", "items": {"$ref": "#/components/schemas/Shadow"}}),
+    "ShadowStats": {"type": "object", "description": "The pairs completed in the window: "
+                    "live and shadow percentiles (ttft, itl = each request's TPOT, e2e), SLO "
+                    "attainment per tenant, shadow/live ratios, p99 differences with a 95% "
+                    "bootstrap interval.",
+                    "properties": {"name": STRING, "window_s": {"type": "number"},
+                                   "pairs": COUNT, "mirrored_rate_rps": {"type": "number"},
+                                   "note": STRING, "live": {"type": "object"},
+                                   "shadow": {"type": "object"},
+                                   "ratio": {"type": "object"},
+                                   "p99_difference": {"type": "object"}}},
+    "Deleted": _object(deleted=STRING),
     "Health": _object(status={"const": "ok"}),
     "Ready": {"type": "object", "required": ["ready"],
               "properties": {"ready": {"type": "boolean"}, "checks": {"type": "object"}}},
@@ -170,6 +206,7 @@ _WINDOW = {"name": "window_s", "in": "query", "required": False,
            "description": "Only the last window_s seconds; omitted: all time.",
            "schema": {"type": "number", "exclusiveMinimum": 0}}
 _TENANT = {"name": "name", "in": "path", "required": True, "schema": TENANT_NAME}
+_SHADOW = {"name": "name", "in": "path", "required": True, "schema": SHADOW_NAME}
 ROUTES = (
     Route("post", "/v1/completions", "A completion (OpenAI's API).",
           {200: _answer("Completion", "CompletionEvent")}, _INFERENCE_ERRORS, "tenantKey",
@@ -194,6 +231,21 @@ ROUTES = (
           parameters=(_TENANT, _WINDOW)),
     Route("get", "/admin/queues", "The fair queue and the backends, now.",
           {200: _json("Queues", "The queues.")}, (401, 404), "adminKey"),
+    Route("get", "/admin/shadow", "The shadow targets and their counters.",
+          {200: _json("ShadowList", "The targets.")}, (401, 404), "adminKey"),
+    Route("post", "/admin/shadow", "Start a shadow target, or replace the one of that name.",
+          {200: _json("Shadow", "Replaced."), 201: _json("Shadow", "Started.")},
+          (400, 401, 404, 408, 413), "adminKey", "ShadowCreate"),
+    Route("patch", "/admin/shadow/{name}", "Change a target's sample, tenants or bounds.",
+          {200: _json("Shadow", "Changed.")}, (400, 401, 404, 408, 413), "adminKey",
+          "ShadowChange", parameters=(_SHADOW,)),
+    Route("delete", "/admin/shadow/{name}", "Stop a shadow target.",
+          {200: _json("Deleted", "Stopped.")}, (401, 404), "adminKey", parameters=(_SHADOW,)),
+    Route("get", "/admin/shadow/{name}/stats", "Paired live and shadow latency over a window.",
+          {200: _json("ShadowStats", "The pairs' statistics.")}, (400, 401, 404), "adminKey",
+          parameters=(_SHADOW, {"name": "window", "in": "query", "required": False,
+                                "description": "Seconds (default 300).",
+                                "schema": {"type": "number", "exclusiveMinimum": 0}})),
     Route("get", "/health", "Liveness (the path vLLM and SGLang serve).",
           {200: _json("Health", "Alive.")}),
     Route("get", "/healthz", "Liveness.", {200: _json("Health", "Alive.")}),

@@ -91,7 +91,10 @@ class Admission:
 class Gateway:
     def __init__(self, config: GatewayConfig, pool: BackendPool, ledger: UsageLedger | None,
                  metrics: GatewayMetrics) -> None:
+        from gateway.shadow import ShadowSet
+
         self.config = config
+        self.shadows = ShadowSet(config.shadow, metrics)
         self.pool = pool
         self.ledger = ledger
         self.metrics = metrics
@@ -127,6 +130,9 @@ class Gateway:
             self.limiter.refund(charge)
             self.metrics.child("rejections", tenant.name, exc.reason).inc()
             raise ApiError(429, str(exc), code=exc.reason, retry_after=exc.retry_after) from None
+        if self.shadows:  # admitted: a copy may go to the shadow targets (never waited on)
+            self.shadows.offer(job.request_id, req.body, req.endpoint, tenant.name, priority,
+                               SLO(tenant.slo_ttft_p99_s, tenant.slo_itl_p99_s))
         return adm, future
 
     def _check_ready(self, req: OpenAIRequest) -> None:
@@ -209,6 +215,8 @@ class Gateway:
             if status == 200 and out.finish_reason is not None:
                 self.estimator.observe(adm.tenant.name, out.completion_tokens)
         timing = adm.timing(status)
+        if self.shadows:
+            self.shadows.live_done(adm.job.request_id, timing)
         self._observe(adm, status, ran, timing)
         self._record(adm, status, timing)
 

@@ -46,6 +46,14 @@ def fairgate_engine(*sets: str, config: str | Path | None = None) -> Iterator[st
     """A real `fairgate engine [-c config] --set KNOB=VALUE ...` in its own process on a free
     port, ready (it logged its listening line): its URL; stopped with SIGINT (then killed)
     afterwards. Its output is drained while it serves, so a chatty engine never blocks."""
+    with fairgate_engine_process(*sets, config=config) as (url, _):
+        yield url
+
+
+@contextmanager
+def fairgate_engine_process(*sets: str, config: str | Path | None = None) -> Iterator[
+        tuple[str, subprocess.Popen[bytes]]]:
+    """`fairgate_engine`, with the process (to signal it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
@@ -59,8 +67,9 @@ def fairgate_engine(*sets: str, config: str | Path | None = None) -> Iterator[st
         wait_for_output(proc, b"serving ")  # logged once the port is open
         assert proc.stdout is not None
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # to EOF
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc
     finally:
+        proc.send_signal(signal.SIGCONT)  # a test may have stopped it
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=20)

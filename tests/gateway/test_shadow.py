@@ -1,0 +1,195 @@
+"""Shadow traffic: copies of admitted live requests go to a candidate engine, their latencies
+are paired with the live ones, and nothing about the shadow reaches live clients or tenants."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.server import make_app as make_engine_app
+from gateway.config import GatewayConfig, ShadowConfig
+from gateway.metrics import GatewayMetrics
+from gateway.shadow import Pair, ShadowMirror, paired_stats
+from protocol.measures import SLO, RequestTiming
+from tests.gateway.helpers import collect, completion, start_gateway
+from tests.support.processes import fairgate_engine_process
+from tests.support.waiting import wait_for
+
+ADMIN = {"Authorization": "Bearer admin-key-0123456789"}
+REALTIME = EngineConfig(executor="sim", sim_clock="realtime", max_model_len=512,
+                        max_num_batched_tokens=512)
+SLOS = {"slo_ttft_p99_s": 0.15, "slo_itl_p99_s": 0.1}
+
+
+async def _engine(aiohttp_server: Any, **knobs: Any) -> str:
+    server = await aiohttp_server(make_engine_app(AsyncEngine(REALTIME.replace(**knobs))))
+    return str(server.make_url("/v1"))
+
+
+async def _burst(h: Any, n: int, **extra: Any) -> list[int]:
+    """n streamed requests at once; their statuses (each read to its end)."""
+    async def one(i: int) -> int:
+        resp = await h.post("acme", completion(f"request {i}", max_tokens=8, stream=True,
+                                               **extra))
+        [_ async for _ in collect(resp)]
+        return int(resp.status)
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def test_paired_statistics_show_what_the_shadows_knobs_change(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str) -> None:
+    """The live engine runs one sequence at a time, the shadow eight: the same six requests
+    queue on the live side and not on the shadow, and the pairs say so."""
+    live, shadow = await _engine(aiohttp_server, max_num_seqs=1), await _engine(
+        aiohttp_server, max_num_seqs=8)
+    h = await start_gateway(aiohttp_client, db_url, tenants={"acme": SLOS}, gateway={
+        "backends": [{"url": live}], "shadow": [{"name": "wide", "url": shadow}]})
+    assert await _burst(h, 6) == [200] * 6
+    mirror = h.gateway.shadows.mirrors["wide"]
+    await wait_for(lambda: len(mirror.pairs) == 6, timeout=30)
+    resp = await h.client.get("/admin/shadow/wide/stats?window=60", headers=ADMIN)
+    assert resp.status == 200
+    stats = await resp.json()
+    assert stats["pairs"] == 6 and stats["live"]["ok"] == stats["shadow"]["ok"] == 6
+    assert "sees 1 x the live load" in stats["note"]
+    # queueing behind one seat: the live TTFT is far higher, every pair agrees
+    assert stats["shadow"]["ttft"]["p50"] < stats["live"]["ttft"]["p50"]
+    assert stats["ratio"]["ttft"]["p90"] < 1
+    diff = stats["p99_difference"]["ttft"]
+    assert diff["pairs"] == 6 and diff["shadow_minus_live_s"] < 0 and diff["ci95"][1] < 0
+    # each side against the tenant's SLO: the shadow meets more of it
+    live_met = stats["live"]["slo_attainment"]["acme"]["fraction"]
+    assert stats["shadow"]["slo_attainment"]["acme"]["fraction"] > live_met
+    # copies are not the tenant's: one request each in its rate window and its usage
+    assert h.gateway.limiter.usage("acme")[0] == 6
+    assert h.gateway.metrics.registry.get_sample_value(
+        "fairgate_gateway_requests_total", {"tenant": "acme", "status": "200"}) == 6
+    assert h.gateway.metrics.registry.get_sample_value(
+        "fairgate_gateway_shadow_sent_total", {"shadow": "wide"}) == 6
+    assert h.gateway.metrics.registry.get_sample_value(
+        "fairgate_gateway_shadow_ttft_seconds_count", {"shadow": "wide"}) == 6
+
+
+async def test_shadow_targets_change_at_run_time_through_the_admin_api(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str) -> None:
+    live, shadow = await _engine(aiohttp_server), await _engine(aiohttp_server)
+    h = await start_gateway(aiohttp_client, db_url, gateway={"backends": [{"url": live}]})
+    created = await h.client.post("/admin/shadow", json={"name": "c", "url": shadow},
+                                  headers=ADMIN)
+    assert created.status == 201 and (await created.json())["sample"] == 1.0
+    assert await _burst(h, 2) == [200, 200]
+    mirror = h.gateway.shadows.mirrors["c"]
+    await wait_for(lambda: len(mirror.pairs) == 2, timeout=30)
+    changed = await h.client.patch("/admin/shadow/c", json={"sample": 0}, headers=ADMIN)
+    assert changed.status == 200 and (await changed.json())["pairs"] == 2  # kept
+    assert await _burst(h, 2) == [200, 200]
+    listed = await (await h.client.get("/admin/shadow", headers=ADMIN)).json()
+    assert [(s["name"], s["sent"], s["sample"]) for s in listed["shadows"]] == [("c", 2, 0.0)]
+    bad = await h.client.patch("/admin/shadow/c", json={"url": "http://x:1"}, headers=ADMIN)
+    assert bad.status == 400 and "POST /admin/shadow" in (await bad.json())["error"]["message"]
+    bad = await h.client.post("/admin/shadow", json={"name": "d", "url": shadow,
+                                                     "sample": 2}, headers=ADMIN)
+    assert bad.status == 400 and (await bad.json())["error"]["param"] == "sample"
+    gone = await h.client.delete("/admin/shadow/c", headers=ADMIN)
+    assert gone.status == 200 and not h.gateway.shadows.mirrors
+    assert (await h.client.get("/admin/shadow/c/stats", headers=ADMIN)).status == 404
+    tenant = await h.client.get("/admin/shadow", headers=h.auth("acme"))
+    assert tenant.status == 401
+
+
+@pytest.fixture
+def shadow_process() -> Iterator[tuple[str, int]]:
+    """A real `fairgate engine` process to stop: its URL and pid."""
+    with fairgate_engine_process("executor=sim", "sim_clock=realtime") as (url, proc):
+        yield url, proc.pid
+
+
+async def test_a_stopped_shadow_changes_nothing_for_live_clients(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str,
+        shadow_process: tuple[str, int]) -> None:
+    url, pid = shadow_process
+    live = await _engine(aiohttp_server)
+    h = await start_gateway(aiohttp_client, db_url, gateway={
+        "backends": [{"url": live}],
+        "shadow": [{"name": "frozen", "url": url, "max_inflight": 1, "max_queue": 2,
+                    "timeout_s": 600}]})
+    os.kill(pid, signal.SIGSTOP)  # the kernel still accepts its connections; it answers none
+    try:
+        # every live request succeeds while the shadow answers nothing: the live path never
+        # waits on it (it would hang here if it did)
+        assert await _burst(h, 10) == [200] * 10
+        mirror = h.gateway.shadows.mirrors["frozen"]
+        # one copy is stuck in flight, at most two wait, the rest were dropped and counted
+        await wait_for(lambda: mirror.inflight == 1, timeout=10)
+        assert len(mirror.queue) <= 2 and mirror.dropped >= 7
+        assert mirror.dropped + len(mirror.queue) + mirror.inflight == 10
+        assert h.gateway.metrics.registry.get_sample_value(
+            "fairgate_gateway_shadow_dropped_total",
+            {"shadow": "frozen", "reason": "queue_full"}) == mirror.dropped
+        assert h.gateway.limiter.usage("acme")[0] == 10
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def test_a_dead_shadow_fails_its_copies_and_live_requests_still_succeed(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str) -> None:
+    live, shadow_server = await _engine(aiohttp_server), await aiohttp_server(
+        make_engine_app(AsyncEngine(REALTIME)))
+    url = str(shadow_server.make_url("/v1"))
+    await shadow_server.close()  # killed: connections are refused
+    h = await start_gateway(aiohttp_client, db_url, gateway={
+        "backends": [{"url": live}], "shadow": [{"name": "dead", "url": url}]})
+    assert await _burst(h, 4) == [200] * 4
+    mirror = h.gateway.shadows.mirrors["dead"]
+    await wait_for(lambda: len(mirror.pairs) == 4, timeout=30)
+    assert mirror.failed == 4
+    stats = mirror.stats(60)
+    assert stats["shadow"]["failed"] == 4 and stats["live"]["ok"] == 4
+
+
+def test_sampling_and_tenant_filters_choose_the_copies() -> None:
+    draws = iter([0.1, 0.9, 0.4, 0.6])
+    mirror = ShadowMirror(ShadowConfig("s", "http://127.0.0.1:9", sample=0.5,
+                                       tenants=("acme",)), GatewayMetrics(),
+                          draw=lambda: next(draws))
+    for i in range(4):
+        mirror.offer(f"r{i}", {"prompt": "x"}, "completions", "acme", "batch", SLO())
+    mirror.offer("other", {"prompt": "x"}, "completions", "globex", "batch", SLO())
+    assert [c.request_id for c in mirror.queue] == ["r0", "r2"]
+
+
+def test_config_rejects_bad_targets() -> None:
+    for bad, message in (({"name": "s", "url": "ftp://x"}, "url must be"),
+                         ({"name": "", "url": "http://x:1"}, "name must be"),
+                         ({"name": "s", "url": "http://x:1", "sample": 1.5}, "sample"),
+                         ({"name": "s", "url": "http://x:1", "tenants": []}, "tenants")):
+        with pytest.raises(ValueError, match=message):
+            GatewayConfig.from_dict({"shadow": [bad]})
+    with pytest.raises(ValueError, match="unique"):
+        GatewayConfig.from_dict({"shadow": [{"name": "s", "url": "http://x:1"}] * 2})
+
+
+def test_paired_difference_interval_covers_the_true_shift() -> None:
+    """Shadow = live + 50 ms on every request: the p99 difference is 50 ms, in its interval."""
+    pairs = []
+    for i in range(200):
+        start = float(i)
+        live = RequestTiming(start, [start + 0.1 + i * 0.0005, start + 0.2 + i * 0.0005], 2,
+                             start + 0.3)
+        shadow = RequestTiming(start, [t + 0.05 for t in live.token_times], 2, start + 0.35)
+        pairs.append(Pair("acme", SLO(ttft_s=0.2), live, shadow))
+    stats = paired_stats(pairs)
+    diff = stats["p99_difference"]["ttft"]
+    assert diff["shadow_minus_live_s"] == pytest.approx(0.05)
+    assert diff["ci95"][0] - 1e-9 <= 0.05 <= diff["ci95"][1] + 1e-9
+    assert stats["ratio"]["e2e"]["p50"] == pytest.approx(0.35 / 0.3)
+    assert stats["live"]["slo_attainment"]["acme"]["fraction"] == 1.0
+    assert stats["shadow"]["slo_attainment"]["acme"]["fraction"] < 1.0
