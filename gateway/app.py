@@ -162,12 +162,18 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _shadows(app: web.Application) -> AsyncIterator[None]:
-    shadows = app[GATEWAY].shadows
-    shadows.start()
+    """Shadow targets and the trace capture: started last, stopped first (the capture's last
+    lines are written after the requests in flight have settled)."""
+    gw = app[GATEWAY]
+    gw.shadows.start()
+    if gw.capture is not None:
+        gw.capture.start()
     try:
         yield
     finally:
-        await shadows.close()
+        await gw.shadows.close()
+        if gw.capture is not None:
+            await gw.capture.close()
 
 
 # ---- metrics: per-tenant series, so never where tenants can read them -----------------------

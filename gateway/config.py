@@ -139,12 +139,33 @@ class ShadowConfig:
 
 
 @dataclass(frozen=True)
+class CaptureConfig:
+    """Trace capture (gateway/capture.py): served requests as a fairgate JSONL trace."""
+
+    path: str
+    sample: float = 1.0
+    rotate_mb: float = 64.0  # past this size the file is renamed with a time stamp
+    secret: str | None = None  # keys the prefix hashes (else FAIRGATE_CAPTURE_SECRET, else random)
+    prompt_text: bool = False  # also write each prompt's text (off: nothing of it is written)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError("gateway.capture.path must be a file path")
+        check_number("gateway.capture.sample", self.sample, low=0, high=1)
+        check_number("gateway.capture.rotate_mb", self.rotate_mb, low=0, open_low=True)
+        check_bool("gateway.capture.prompt_text", self.prompt_text)
+        if self.secret is not None and (not isinstance(self.secret, str) or len(self.secret) < 16):
+            raise ValueError("gateway.capture.secret must be a string of at least 16 characters")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     admin_key: str | None = None  # None: /admin/* is disabled
     backends: tuple[BackendConfig, ...] = ()  # empty: one embedded engine from `engine`
     shadow: tuple[ShadowConfig, ...] = ()  # candidate engines that receive copies of live traffic
+    capture: CaptureConfig | None = None  # live traffic written as a fairgate trace
     dispatch: str = "fair"  # fair (priority class, then weighted VTC) | fcfs (the baseline)
     tokenizer: str | None = None  # tokenizer.json for counting prompts sent to remote backends
     max_body_bytes: int = 1 << 20
@@ -226,6 +247,11 @@ class GatewayConfig:
         if not isinstance(shadow, list):
             raise ValueError("gateway.shadow must be a list of {name, url, ...} mappings")
         values["shadow"] = tuple(ShadowConfig.from_dict(s) for s in shadow)
+        capture = values.get("capture")
+        if capture is not None:
+            if not isinstance(capture, dict):
+                raise ValueError("gateway.capture must be a mapping {path, sample, rotate_mb}")
+            values["capture"] = from_mapping(CaptureConfig, capture, "gateway.capture")
         names = [s.name for s in values["shadow"]]
         if len(set(names)) != len(names):
             raise ValueError(f"gateway.shadow names must be unique, got {names}")

@@ -26,10 +26,12 @@ from gateway.admission import (
     estimate_cost,
 )
 from gateway.backends import Backend, BackendPool, Job, Outcome
+from gateway.capture import TraceCapture
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.fairqueue import FairQueue, QueueBounds, QueuedRequest, QueueFull
 from gateway.metrics import GatewayMetrics
+from gateway.shadow import ShadowSet
 from protocol.errors import ApiError, bad_request
 from protocol.measures import SLO, RequestTiming
 from protocol.openai import OpenAIRequest, resolve_max_tokens
@@ -91,10 +93,9 @@ class Admission:
 class Gateway:
     def __init__(self, config: GatewayConfig, pool: BackendPool, ledger: UsageLedger | None,
                  metrics: GatewayMetrics) -> None:
-        from gateway.shadow import ShadowSet
-
         self.config = config
         self.shadows = ShadowSet(config.shadow, metrics)
+        self.capture = None if config.capture is None else TraceCapture(config.capture)
         self.pool = pool
         self.ledger = ledger
         self.metrics = metrics
@@ -217,6 +218,10 @@ class Gateway:
         timing = adm.timing(status)
         if self.shadows:
             self.shadows.live_done(adm.job.request_id, timing)
+        if self.capture is not None and status == 200:
+            job = adm.job
+            self.capture.record(job.req, job.tenant, job.priority, adm.arrival,
+                                out.prompt_tokens, out.completion_tokens, job.req.max_tokens)
         self._observe(adm, status, ran, timing)
         self._record(adm, status, timing)
 
