@@ -219,7 +219,10 @@ async def shadow_stats(request: web.Request) -> web.Response:
         raise bad_request("window must be a number of seconds", "window") from None
     if not 0 < window < float("inf"):
         raise bad_request("window must be > 0 seconds", "window")
-    return web.json_response(mirror.stats(window))
+    # up to 50,000 pairs and their bootstrap: in a thread, never on the event loop (the
+    # window's pairs are copied here first, while nothing else touches them)
+    pairs = mirror.window(window)
+    return web.json_response(await asyncio.to_thread(mirror.stats, window, pairs))
 
 
 def _field_of(message: str) -> str | None:

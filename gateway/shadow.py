@@ -62,8 +62,10 @@ class Pair:
 @dataclass
 class _Copy:
     request_id: str
-    body: bytes
-    path: str
+    body: dict[str, Any]  # the client's, not copied: nothing on the live path changes it
+    endpoint: str
+    tenant: str
+    priority: str
     queued_at: float = field(default_factory=time.perf_counter)
 
 
@@ -103,9 +105,7 @@ class ShadowMirror:
             self._drop("queue_full")
             return
         self.pending[request_id] = Pair(tenant, slo)
-        self.queue.append(_Copy(request_id, self._body(body, tenant, priority),
-                                "/v1/chat/completions" if endpoint == "chat"
-                                else "/v1/completions"))
+        self.queue.append(_Copy(request_id, body, endpoint, tenant, priority))  # encoded later
         self._wake.set()
 
     def live_done(self, request_id: str, timing: RequestTiming) -> None:
@@ -171,8 +171,9 @@ class ShadowMirror:
         ok = False
         self.inflight += 1
         try:
-            resp = await self._http.request("POST", copy.path, copy.body,
-                                            timeout=self.config.timeout_s)
+            path = "/v1/chat/completions" if copy.endpoint == "chat" else "/v1/completions"
+            resp = await self._http.request("POST", path, self._body(
+                copy.body, copy.tenant, copy.priority), timeout=self.config.timeout_s)
             try:
                 if resp.status < 400:
                     tokens, ok = await self._read(resp, stamps)
@@ -237,9 +238,16 @@ class ShadowMirror:
                 "sent": self.sent,
                 "dropped": self.dropped, "failed": self.failed, "pairs": len(self.pairs)}
 
-    def stats(self, window_s: float, seed: int = 0) -> dict[str, Any]:
+    def window(self, window_s: float) -> list[Pair]:
+        """The pairs completed in the last `window_s` seconds (a copy: taken on the event loop,
+        summarised anywhere; completed pairs never change)."""
         horizon = time.monotonic() - window_s
-        pairs = [p for p in self.pairs if p.ended_at >= horizon]
+        return [p for p in self.pairs if p.ended_at >= horizon]
+
+    def stats(self, window_s: float, pairs: Sequence[Pair] | None = None,
+              seed: int = 0) -> dict[str, Any]:
+        if pairs is None:
+            pairs = self.window(window_s)
         return {"name": self.name, "window_s": window_s, "pairs": len(pairs),
                 "mirrored_rate_rps": len(pairs) / window_s, "sample": self.config.sample,
                 "note": (f"the shadow sees {self.config.sample:g} x the live load of "
@@ -323,11 +331,15 @@ def _p99_difference(pairs: Sequence[Pair], measure: Callable[[RequestTiming], fl
         return {"pairs": 0, "shadow_minus_live_s": None, "ci95": [None, None]}
     point = _p99(shadow) - _p99(live)
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(live), size=(BOOTSTRAP_RESAMPLES, len(live)))
     k = max(1, math.ceil(0.99 * len(live) - 1e-9)) - 1
-    diffs = (np.partition(shadow[picks], k, axis=1)[:, k]
-             - np.partition(live[picks], k, axis=1)[:, k])
-    low, high = np.percentile(diffs, [2.5, 97.5])
+    diffs = []
+    batch = max(1, min(BOOTSTRAP_RESAMPLES, 1_000_000 // len(live)))  # ~8 MB at a time
+    for start in range(0, BOOTSTRAP_RESAMPLES, batch):
+        picks = rng.integers(0, len(live), size=(min(batch, BOOTSTRAP_RESAMPLES - start),
+                                                 len(live)))
+        diffs.append(np.partition(shadow[picks], k, axis=1)[:, k]
+                     - np.partition(live[picks], k, axis=1)[:, k])
+    low, high = np.percentile(np.concatenate(diffs), [2.5, 97.5])
     return {"pairs": int(len(live)), "shadow_minus_live_s": point,
             "ci95": [float(low), float(high)]}
 
