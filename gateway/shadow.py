@@ -205,11 +205,15 @@ class ShadowMirror:
         while data := await resp.next_chunk():
             now = time.perf_counter()
             for event in reader.feed(data):
-                if event.data == b"[DONE]":
+                data = event.data
+                if data == b"[DONE]":
                     done = True
                     continue
+                if _plain_text(data):  # the common event: a token, told apart without parsing
+                    stamps.append(now)
+                    continue
                 try:
-                    message = json.loads(event.data)
+                    message = json.loads(data)
                 except ValueError:
                     continue
                 if "error" in message:
@@ -358,6 +362,18 @@ def _attainment(pairs: Sequence[Pair], side: str) -> dict[str, dict[str, Any]]:
         entry[1] += 1
     return {tenant: {"met": met, "requests": total, "fraction": met / total}
             for tenant, (met, total) in sorted(counts.items())}
+
+
+_TEXT_OPENERS = (b'"text":"', b'"text": "', b'"content":"', b'"content": "')
+_EMPTY_TEXTS = (b'"text":""', b'"text": ""', b'"content":""', b'"content": ""')
+_PARSE_MARKERS = (b'"usage":{', b'"usage": {', b'"error"')  # `"usage": null` needs no parse
+
+
+def _plain_text(data: bytes) -> bool:
+    """A token event with nothing else to read: non-empty text and no usage or error. The byte
+    patterns are JSON keys: generated text cannot hold them unescaped."""
+    return (any(o in data for o in _TEXT_OPENERS) and not any(e in data for e in _EMPTY_TEXTS)
+            and not any(m in data for m in _PARSE_MARKERS))
 
 
 def _has_text(message: dict[str, Any]) -> bool:

@@ -193,3 +193,20 @@ def test_paired_difference_interval_covers_the_true_shift() -> None:
     assert stats["ratio"]["e2e"]["p50"] == pytest.approx(0.35 / 0.3)
     assert stats["live"]["slo_attainment"]["acme"]["fraction"] == 1.0
     assert stats["shadow"]["slo_attainment"]["acme"]["fraction"] < 1.0
+
+
+@pytest.mark.parametrize(("data", "token"), [
+    (b'{"choices":[{"index":0,"text":"a","finish_reason":null}]}', True),
+    (b'{"choices": [{"delta": {"content": "hi"}, "finish_reason": null}]}', True),
+    (b'{"choices":[{"delta":{"role":"assistant","content":""}}]}', False),
+    (b'{"choices":[{"text":"","finish_reason":"length"}],"usage":null}', False),
+    (b'{"choices":[],"usage":{"completion_tokens":3}}', False),
+    (b'{"choices":[{"text":"a","finish_reason":null}],"usage":null}', True),
+    (b'{"choices":[{"text":"z","finish_reason":"stop"}],"usage": {"completion_tokens":3}}',
+     False),  # parsed: its usage is read, and its text still counts as a token
+    (b'{"error":{"message":"text\\":\\"x"}}', False),
+])
+def test_token_events_are_told_apart_without_parsing(data: bytes, token: bool) -> None:
+    from gateway.shadow import _plain_text
+
+    assert _plain_text(data) is token
