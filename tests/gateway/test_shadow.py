@@ -21,6 +21,7 @@ from protocol.measures import SLO, RequestTiming
 from tests.gateway.helpers import collect, completion, start_gateway
 from tests.support.processes import fairgate_engine_process
 from tests.support.waiting import wait_for
+from tuner.fake_server import make_fake_app
 
 ADMIN = {"Authorization": "Bearer admin-key-0123456789"}
 REALTIME = EngineConfig(executor="sim", sim_clock="realtime", max_model_len=512,
@@ -153,6 +154,27 @@ async def test_a_dead_shadow_fails_its_copies_and_live_requests_still_succeed(
     assert mirror.failed == 4
     stats = mirror.stats(60)
     assert stats["shadow"]["failed"] == 4 and stats["live"]["ok"] == 4
+
+
+async def test_a_ten_times_slower_shadow_leaves_live_latency_alone(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str) -> None:
+    """The shadow takes 10x the live engine's time per token: live requests finish on their
+    own engine's clock, the copies finish later, all of them paired."""
+    live = await _engine(aiohttp_server)
+    slow = await aiohttp_server(make_fake_app(ttft=0.1, itl=0.1, model="random:tiny"))
+    h = await start_gateway(aiohttp_client, db_url, gateway={
+        "backends": [{"url": live}],
+        "shadow": [{"name": "slow", "url": str(slow.make_url("/v1")), "kind": "openai"}]})
+    started = asyncio.get_running_loop().time()
+    assert await _burst(h, 4) == [200] * 4
+    live_done = asyncio.get_running_loop().time() - started
+    mirror = h.gateway.shadows.mirrors["slow"]
+    assert len(mirror.pairs) < 4  # the copies were still running when live answers were done
+    await wait_for(lambda: len(mirror.pairs) == 4, timeout=30)
+    stats = mirror.stats(60)
+    # 8 tokens at 100 ms: every copy took longer than the whole live burst did
+    assert stats["shadow"]["e2e"]["p50"] > live_done
+    assert stats["p99_difference"]["e2e"]["shadow_minus_live_s"] > 0
 
 
 def test_sampling_and_tenant_filters_choose_the_copies() -> None:
