@@ -1,6 +1,8 @@
 """`fairgate tune`: search engine knobs with Optuna against p99 TTFT and ITL SLOs.
 
     fairgate tune --mode sim | replay --url URL | launch --command '...{port}...{knob}...'
+                  | shadow --gateway URL --admin-key K --shadow NAME [--shadow-requests N]
+                    [--shadow-window S]
                   [--api-key KEY] [--launch-timeout S] [-c fairgate.yaml] [--set KNOB=VALUE]
                   [--sim-profile FILE]
                   (--workload NAME | --trace FILE | --workload-file F) [--rate R] [--duration S]
@@ -76,6 +78,17 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="launch: the server command, split like a shell line (no shell); "
                              "{port} is a free port, {max_num_seqs} etc. the trial's knobs")
     parser.add_argument("--api-key", metavar="KEY", help="replay/launch: bearer key for the server")
+    parser.add_argument("--gateway", metavar="URL", help="shadow: the gateway whose shadow "
+                        "target the trials run on")
+    parser.add_argument("--admin-key", metavar="KEY", help="shadow: the gateway's admin key")
+    parser.add_argument("--shadow", metavar="NAME", help="shadow: the gateway's shadow target "
+                        "(a fairgate engine: reconfigured per trial)")
+    parser.add_argument("--shadow-requests", type=int, default=RunnerOptions.shadow_requests,
+                        metavar="N", help="shadow: mirrored requests per trial (default "
+                        f"{RunnerOptions.shadow_requests})")
+    parser.add_argument("--shadow-window", type=float, default=RunnerOptions.shadow_window_s,
+                        metavar="S", help="shadow: the longest a trial waits for them (default "
+                        f"{RunnerOptions.shadow_window_s:g} s)")
     parser.add_argument("--launch-timeout", type=float, default=RunnerOptions.launch_timeout_s,
                         metavar="S", help="launch: seconds a server has to answer /health "
                         f"(default {RunnerOptions.launch_timeout_s:g})")
@@ -153,9 +166,19 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
     base = build_config(args.config, overrides)
     space = load_space_file(args.space) if args.space else default_space(
         base, RUNNERS[mode](runner).prepare(base))
-    if not (args.workload or args.trace or args.workload_file):
+    if mode == "shadow":
+        if args.workload or args.trace or args.workload_file:
+            raise ValueError("--mode shadow runs on the gateway's mirrored live traffic: drop "
+                             "--workload/--trace/--workload-file")
+        if objective != "goodput":
+            raise ValueError("--mode shadow scores SLO attainment against the live engine: "
+                             "--objective goodput only")
+        # the window's size: the study counts these, the traffic is the gateway's
+        requests = [TraceRequest(0.0, 1, 1) for _ in range(runner.shadow_requests)]
+    elif not (args.workload or args.trace or args.workload_file):
         raise ValueError("give the workload: --workload NAME, --trace FILE or --workload-file F")
-    requests = plan_requests(args)
+    else:
+        requests = plan_requests(args)
     trials = None if args.timeout is not None else check_positive_int(
         "--trials", DEFAULT_TRIALS if args.trials is None else args.trials)
     study = args.study or time.strftime("tune-%Y%m%d-%H%M%S")
@@ -163,10 +186,14 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
     out_dir = check_out_dir(Path(args.out or study))
     robustness = check_int("--robustness", args.robustness if args.robustness is not None
                            else (2 if mode == "sim" else 0), low=0, high=MAX_VARIANTS)
+    if mode == "shadow" and robustness:
+        raise ValueError("--robustness re-runs other draws of a workload: --mode shadow has "
+                         "none (its traffic is live)")
     return TuneSpec(mode=mode, base=base, space=space, requests=tuple(requests), slo=slo,
                     storage=storage, study_name=study, out_dir=out_dir,
                     objective=objective, trials=trials, timeout_s=args.timeout,
-                    seed=args.seed, workload=args.workload or args.trace or args.workload_file,
+                    seed=args.seed, workload=args.workload or args.trace or args.workload_file
+                    or f"requests mirrored by {args.gateway} to {args.shadow}",
                     runner=runner, baseline=args.baseline, workers=workers(mode, args),
                     urls=tuple(args.url), variants=variants(args, robustness, requests),
                     robust_top=check_int("--robust-top", args.robust_top, low=1),
@@ -251,7 +278,9 @@ def runner_options(mode: str, args: argparse.Namespace) -> RunnerOptions:
     from tuner.loadgen import Target
     from tuner.remote import check_reachable, check_template
 
-    for flag, value, wanted in (("--url", args.url or None, "replay"),
+    for flag, value, wanted in (("--gateway", args.gateway, "shadow"),
+                                ("--shadow", args.shadow, "shadow"),
+                                ("--url", args.url or None, "replay"),
                                 ("--command", args.launch_command, "launch")):
         if value is not None and mode != wanted:
             raise ValueError(f"{flag} is for --mode {wanted}, not --mode {mode}")
@@ -265,10 +294,16 @@ def runner_options(mode: str, args: argparse.Namespace) -> RunnerOptions:
         if args.launch_command is None:
             raise ValueError("--mode launch needs --command '... --port {port} ...'")
         check_template(args.launch_command)
+    if mode == "shadow" and (args.gateway is None or args.shadow is None):
+        raise ValueError("--mode shadow needs --gateway URL and --shadow NAME")
     timeout = check_number("--launch-timeout", args.launch_timeout, low=0, open_low=True)
     return RunnerOptions(url=args.url[0] if args.url else None, command=args.launch_command,
-                         api_key=args.api_key,
-                         launch_timeout_s=timeout)
+                         api_key=args.api_key, launch_timeout_s=timeout, gateway=args.gateway,
+                         admin_key=args.admin_key, shadow=args.shadow,
+                         shadow_requests=check_positive_int("--shadow-requests",
+                                                            args.shadow_requests),
+                         shadow_window_s=check_number("--shadow-window", args.shadow_window,
+                                                      low=0, open_low=True))
 
 
 def _slo(flag: str, value: float | None, from_tenants: tuple[float, str] | None) -> float:

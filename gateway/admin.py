@@ -208,8 +208,9 @@ async def delete_shadow(request: web.Request) -> web.Response:
 
 
 async def shadow_stats(request: web.Request) -> web.Response:
-    """GET /admin/shadow/{name}/stats?window=S (default 300 s): the pairs completed in the
-    last S seconds, both sides side by side."""
+    """GET /admin/shadow/{name}/stats?window=S (default 300 s)[&sent_after=EPOCH][&detail=1]:
+    the pairs completed in the last S seconds (whose copy went out after sent_after), both
+    sides side by side; detail adds every pair's figures."""
     request.app[AUTH].check_admin(request)
     mirror = _mirror(request)
     raw = request.query.get("window", "300")
@@ -219,10 +220,18 @@ async def shadow_stats(request: web.Request) -> web.Response:
         raise bad_request("window must be a number of seconds", "window") from None
     if not 0 < window < float("inf"):
         raise bad_request("window must be > 0 seconds", "window")
+    sent_after = None
+    if "sent_after" in request.query:
+        try:
+            sent_after = float(request.query["sent_after"])
+        except ValueError:
+            raise bad_request("sent_after must be a time in epoch seconds",
+                              "sent_after") from None
+    detail = request.query.get("detail", "0") in ("1", "true")
     # up to 50,000 pairs and their bootstrap: in a thread, never on the event loop (the
     # window's pairs are copied here first, while nothing else touches them)
-    pairs = mirror.window(window)
-    return web.json_response(await asyncio.to_thread(mirror.stats, window, pairs))
+    pairs = mirror.window(window, sent_after)
+    return web.json_response(await asyncio.to_thread(mirror.stats, window, pairs, 0, detail))
 
 
 def _field_of(message: str) -> str | None:

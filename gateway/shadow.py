@@ -56,6 +56,7 @@ class Pair:
     live: RequestTiming | None = None
     shadow: RequestTiming | None = None
     shadow_wait_s: float = 0.0  # in the mirror's queue before it was sent
+    sent_at: float = 0.0  # epoch seconds, when the copy was sent
     ended_at: float = 0.0  # monotonic, when the later side ended
 
 
@@ -166,6 +167,7 @@ class ShadowMirror:
             return
         started = time.perf_counter()
         pair.shadow_wait_s = started - copy.queued_at
+        pair.sent_at = time.time()
         stamps: list[float] = []
         tokens: int | None = None
         ok = False
@@ -242,23 +244,41 @@ class ShadowMirror:
                 "sent": self.sent,
                 "dropped": self.dropped, "failed": self.failed, "pairs": len(self.pairs)}
 
-    def window(self, window_s: float) -> list[Pair]:
-        """The pairs completed in the last `window_s` seconds (a copy: taken on the event loop,
-        summarised anywhere; completed pairs never change)."""
+    def window(self, window_s: float, sent_after: float | None = None) -> list[Pair]:
+        """The pairs completed in the last `window_s` seconds, and whose copy was sent after
+        `sent_after` (epoch seconds) when given (a copy: taken on the event loop, summarised
+        anywhere; completed pairs never change)."""
         horizon = time.monotonic() - window_s
-        return [p for p in self.pairs if p.ended_at >= horizon]
+        return [p for p in self.pairs if p.ended_at >= horizon
+                and (sent_after is None or p.sent_at >= sent_after)]
 
     def stats(self, window_s: float, pairs: Sequence[Pair] | None = None,
-              seed: int = 0) -> dict[str, Any]:
+              seed: int = 0, detail: bool = False) -> dict[str, Any]:
         if pairs is None:
             pairs = self.window(window_s)
-        return {"name": self.name, "window_s": window_s, "pairs": len(pairs),
+        extra = {"samples": samples(pairs)} if detail else {}
+        return {**extra, "name": self.name, "window_s": window_s, "pairs": len(pairs),
                 "mirrored_rate_rps": len(pairs) / window_s, "sample": self.config.sample,
                 "note": (f"the shadow sees {self.config.sample:g} x the live load of "
                          + ("every tenant" if self._tenants is None else
                             "tenants " + ", ".join(sorted(self._tenants)))
                          + "; the live figures are of the same mirrored requests"),
                 **paired_stats(pairs, seed)}
+
+
+SAMPLE_FIELDS = ("ttft_s", "tpot_s", "e2e_s", "output_tokens", "ok")
+
+
+def samples(pairs: Sequence[Pair]) -> dict[str, Any]:
+    """Each pair's two sides, in completion order: [ttft, tpot, e2e, output tokens, ok] (the
+    tuner's shadow mode scores a trial from these)."""
+    def row(t: RequestTiming | None) -> list[Any]:
+        if t is None:
+            return [None, None, None, 0, False]
+        return [t.ttft, t.tpot, t.e2e, t.num_output_tokens, t.ok]
+
+    return {"fields": list(SAMPLE_FIELDS), "live": [row(p.live) for p in pairs],
+            "shadow": [row(p.shadow) for p in pairs]}
 
 
 def paired_stats(pairs: Sequence[Pair], seed: int = 0) -> dict[str, Any]:

@@ -107,6 +107,11 @@ class RunnerOptions:
     api_key: str | None = None
     launch_timeout_s: float = 120.0
     knobs: tuple[str, ...] = ()
+    gateway: str | None = None  # shadow: the gateway, its admin key and the target's name
+    admin_key: str | None = None
+    shadow: str | None = None
+    shadow_requests: int = 100  # mirrored requests per trial
+    shadow_window_s: float = 300.0  # the longest a trial waits for them
 
 
 class SimRunner:
@@ -146,8 +151,18 @@ def _launch_runner(options: RunnerOptions) -> TrialRunner:
     return LaunchRunner(options.command, options.api_key, options.launch_timeout_s)
 
 
+def _shadow_runner(options: RunnerOptions) -> TrialRunner:
+    from tuner.shadow_mode import ShadowRunner
+
+    if options.gateway is None or options.shadow is None:
+        raise ValueError("--mode shadow needs --gateway URL and --shadow NAME")
+    return ShadowRunner(options.gateway, options.admin_key, options.shadow, options.knobs,
+                        options.shadow_requests, options.shadow_window_s)
+
+
 RUNNERS: dict[str, Callable[[RunnerOptions], TrialRunner]] = {
-    "sim": SimRunner, "replay": _replay_runner, "launch": _launch_runner}
+    "sim": SimRunner, "replay": _replay_runner, "launch": _launch_runner,
+    "shadow": _shadow_runner}
 
 
 def check_mode(mode: str) -> str:
@@ -736,6 +751,17 @@ class Scored:
     measures: TrialMeasures
     missed: str | None  # why it missed the SLOs, None when it met both
     capacity: dict[str, Any] | None = None
+    live: TrialMeasures | None = None  # shadow mode: the live side of the same requests
+
+
+@dataclass(frozen=True)
+class _Timings:
+    """Timings as a TrialRun (the live side of a shadow trial)."""
+
+    timings: list[RequestTiming]
+    elapsed_s: float
+    stopped: str | None = None
+    wall_s: float = 0.0
 
 
 class _Evaluator:
@@ -749,7 +775,8 @@ class _Evaluator:
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         _beat(trial)
-        trial.set_user_attr("objective", self.spec.objective)
+        trial.set_user_attr("objective", "shadow" if self.spec.mode == "shadow"
+                            else self.spec.objective)
         trial.set_user_attr("worker", self.worker)
         params = self.spec.space.suggest(trial)
         if self.progress is not None:
@@ -765,6 +792,8 @@ class _Evaluator:
             return self._not_run(trial, f"did not start: {exc}")
         if scored.capacity is not None:
             trial.set_user_attr("capacity", scored.capacity)
+        if scored.live is not None:
+            trial.set_user_attr("live_measures", _json_safe(dataclasses.asdict(scored.live)))
         _record(trial, scored.measures, self.spec.slo, scored.missed)
         if self.spec.multi_objective:
             return scored.value, min(scored.measures.p99_ttft_s, VIOLATION_CAP)
@@ -778,10 +807,22 @@ class _Evaluator:
         """The objective of `config` on `requests`; ValueError when it cannot start."""
         if self.spec.objective == "capacity":
             return self._capacity(config, requests)
-        measures, missed = self._replay(config, requests)
+        run = self.runner.run(config, requests, self._stop_for(requests))
+        measures = measure(run, len(requests), self.spec.slo, self.spec.seed)
+        missed = run.stopped or measures.missed(self.spec.slo)
+        live_timings = getattr(run, "live_timings", None)
+        if live_timings is not None:  # shadow mode: against the live engine, same requests
+            live = measure(_Timings(live_timings, run.elapsed_s), len(requests), self.spec.slo,
+                           self.spec.seed)
+            return Scored(measures.good_fraction - live.good_fraction, measures, missed,
+                          live=live)
         value = (measures.output_tokens_per_s if self.spec.multi_objective
                  else measures.goodput_rps)
         return Scored(value, measures, missed)
+
+    def _stop_for(self, requests: Sequence[TraceRequest]) -> StopRule:
+        return self.stop if requests is self.spec.requests else early_stop(
+            len(requests), self.spec.slo)
 
     def _not_run(self, trial: optuna.Trial, reason: str) -> float | tuple[float, float]:
         _not_run(trial, reason)
@@ -790,9 +831,7 @@ class _Evaluator:
     def _replay(self, config: EngineConfig,
                 requests: Sequence[TraceRequest]) -> tuple[TrialMeasures, str | None]:
         """The run's measures and why it missed the SLOs (None when it met both)."""
-        stop = self.stop if requests is self.spec.requests else early_stop(
-            len(requests), self.spec.slo)
-        run = self.runner.run(config, requests, stop)
+        run = self.runner.run(config, requests, self._stop_for(requests))
         measures = measure(run, len(requests), self.spec.slo, self.spec.seed)
         return measures, run.stopped or measures.missed(self.spec.slo)
 
@@ -985,6 +1024,8 @@ def value_text(row: TrialRow) -> str:
                 f"rate, {row.capacity['probes']} probes)")
     if row.objective == "pareto":
         return f"throughput {value:.4g} tok/s"
+    if row.objective == "shadow":
+        return f"SLO attainment {value:+.3f} against live"
     return f"{row.objective} {value:.4g} {OBJECTIVE_UNIT.get(row.objective, 'req/s')}"
 
 

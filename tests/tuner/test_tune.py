@@ -148,7 +148,7 @@ def test_an_out_path_that_is_a_file_is_refused_before_any_trial(
 
 
 BAD_INPUTS = [
-    (["--mode", "shadow"], None, "--mode shadow is not built yet"),
+    (["--mode", "shadow"], None, "--mode shadow needs --gateway URL and --shadow NAME"),
     (["--mode", "simm"], None, "did you mean sim?"),
     (["--objective", "paretto"], None, "did you mean pareto?"),
     (["--baseline", "vllm"], None, "--baseline must be one of"),
