@@ -83,10 +83,19 @@ CSV_MEASURES = ("p99_ttft_s", "p99_ttft_ci", "p99_itl_s", "p99_itl_ci", "good_fr
 ENGINE_COLUMNS = ("p99_ttft_s", "p99_tpot_s", "requests")
 
 
+def objective_text(spec: TuneSpec) -> str:
+    if spec.mode == "shadow":
+        return ("SLO attainment of the mirrored requests on the shadow engine minus the live "
+                "engine's on the same requests (both SLOs; -1..1)")
+    return f"{spec.objective} ({OBJECTIVE_TEXT[spec.objective]})"
+
+
 def value_column(spec: TuneSpec) -> str:
     """trials.csv's objective column: goodput_rps, capacity_rps or throughput_tok_s."""
     if spec.objective == "pareto":
         return "throughput_tok_s"
+    if spec.mode == "shadow":
+        return "attainment_gain"  # the shadow's SLO attainment minus the live engine's
     return f"{spec.objective}_rps"
 
 
@@ -128,7 +137,7 @@ def report_md(spec: TuneSpec, outcome: StudyOutcome, top: int = 10) -> str:
     feasible = sorted((r for r in rows if r.feasible), key=lambda r: -(r.value or 0))
     retried = [r for r in rows if r.retried_from is not None]
     lines = [f"# fairgate tune: study {outcome.study_name}", "",
-             f"- mode: {spec.mode}; objective: {spec.objective} ({OBJECTIVE_TEXT[spec.objective]})",
+             f"- mode: {spec.mode}; objective: {objective_text(spec)}",
              f"- workload: {spec.workload} ({len(spec.requests)} requests over "
              f"{spec.requests[-1].arrival:.1f} s)",
              f"- SLOs: p99 TTFT <= {_s(spec.slo.ttft_s)}, p99 ITL (TPOT) <= {_s(spec.slo.itl_s)}",
@@ -255,7 +264,8 @@ def _table_cells(spec: TuneSpec, rows: Sequence[TrialRow],
 def _table_header(spec: TuneSpec, names: Sequence[str] = ()) -> list[str]:
     extra = CAPACITY_COLUMNS[:1] if spec.objective == "capacity" else ()
     return [*([""] if names else []), "trial", *spec.space,
-            f"{spec.objective} {OBJECTIVE_UNIT[spec.objective]}",
+            ("SLO attainment vs live" if spec.mode == "shadow"
+             else f"{spec.objective} {OBJECTIVE_UNIT[spec.objective]}"),
             *(f"rate {name}" for name in extra), "p99 TTFT (95% CI)", "p99 ITL (95% CI)",
             "result"]
 
