@@ -83,6 +83,14 @@ CSV_MEASURES = ("p99_ttft_s", "p99_ttft_ci", "p99_itl_s", "p99_itl_ci", "good_fr
 ENGINE_COLUMNS = ("p99_ttft_s", "p99_tpot_s", "requests")
 
 
+def workload_text(spec: TuneSpec) -> str:
+    if spec.mode == "shadow":
+        return (f"{spec.workload} ({len(spec.requests)} a trial, within "
+                f"{spec.runner.shadow_window_s:g} s)")
+    return (f"{spec.workload} ({len(spec.requests)} requests over "
+            f"{spec.requests[-1].arrival:.1f} s)")
+
+
 def objective_text(spec: TuneSpec) -> str:
     if spec.mode == "shadow":
         return ("SLO attainment of the mirrored requests on the shadow engine minus the live "
@@ -138,8 +146,7 @@ def report_md(spec: TuneSpec, outcome: StudyOutcome, top: int = 10) -> str:
     retried = [r for r in rows if r.retried_from is not None]
     lines = [f"# fairgate tune: study {outcome.study_name}", "",
              f"- mode: {spec.mode}; objective: {objective_text(spec)}",
-             f"- workload: {spec.workload} ({len(spec.requests)} requests over "
-             f"{spec.requests[-1].arrival:.1f} s)",
+             f"- workload: {workload_text(spec)}",
              f"- SLOs: p99 TTFT <= {_s(spec.slo.ttft_s)}, p99 ITL (TPOT) <= {_s(spec.slo.itl_s)}",
              "- space: " + ", ".join(f"{k} {v}" for k, v in spec.space.describe().items()),
              f"- trials: {len(rows)}, feasible: {len(feasible)}"

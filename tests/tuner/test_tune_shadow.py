@@ -69,3 +69,4 @@ def test_a_shadow_study_recommends_the_knobs_that_serve_the_mirrored_traffic_bet
     assert best["max_num_seqs"] == 16
     report = (tmp_path / "out" / "report.md").read_text()
     assert "SLO attainment vs live" in report and "the live engine's on the same" in report
+    assert "mirrored by" in report and "(24 a trial, within 60 s)" in report
