@@ -9,8 +9,8 @@ text is written unless `prompt_text: true`. The prefix hashes are over the promp
 when the gateway counted them with a tokenizer, else over its text (`block_tokens` x 4 bytes a
 block, the gateway's own estimate of a token).
 
-The live path appends to a list; a background task writes batches off the event loop (in a
-thread) every `FLUSH_S`, rotating the file past `rotate_mb` (the full file is renamed with a UTC
+The live path appends the request and its figures to a list; a background task hashes,
+encodes and writes them in batches off the event loop (in a thread) every `FLUSH_S`, rotating the file past `rotate_mb` (the full file is renamed with a UTC
 time stamp and a new one begun). Shutdown writes what is left.
 """
 
@@ -48,7 +48,7 @@ class TraceCapture:
         self.key = (secret or os.urandom(32).hex()).encode()
         self.started = time.perf_counter()
         self.started_at = time.time()
-        self.lines: list[str] = []
+        self.lines: list[tuple[OpenAIRequest, dict[str, Any]]] = []
         self.written = 0
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
@@ -58,14 +58,19 @@ class TraceCapture:
         """A served request (arrival on the perf_counter clock); sampled."""
         if self.config.sample < 1.0 and self.draw() >= self.config.sample:
             return
-        line: dict[str, Any] = {
+        # kept as they are: hashing and encoding happen in the writer's thread, off the loop
+        self.lines.append((req, {
             "arrival": round(arrival - self.started, 6), "tenant": tenant,
             "priority": priority, "prompt_tokens": prompt_tokens,
-            "output_tokens": output_tokens, "max_tokens": max_tokens,
-            "prefix_hashes": self.prefix_hashes(req, tenant), "block_tokens": BLOCK_TOKENS}
+            "output_tokens": output_tokens, "max_tokens": max_tokens}))
+
+    def encode(self, req: OpenAIRequest, line: dict[str, Any]) -> str:
+        """One trace line: `line` with the prompt's prefix hashes (and its text if asked)."""
+        line = {**line, "prefix_hashes": self.prefix_hashes(req, line["tenant"]),
+                "block_tokens": BLOCK_TOKENS}
         if self.config.prompt_text:
             line["prompt"] = prompt_text(req)
-        self.lines.append(json.dumps(line, separators=(",", ":")))
+        return json.dumps(line, separators=(",", ":"))
 
     def prefix_hashes(self, req: OpenAIRequest, tenant: str) -> list[int]:
         """One keyed id per prompt block, chained (block i's id covers blocks 0..i), per
@@ -119,7 +124,8 @@ class TraceCapture:
                 raise
             self.written += len(lines)
 
-    def _write(self, lines: list[str]) -> None:
+    def _write(self, records: list[tuple[OpenAIRequest, dict[str, Any]]]) -> None:
+        lines = [self.encode(req, line) for req, line in records]
         if self.path.exists() and self.path.stat().st_size >= self.config.rotate_mb * (1 << 20):
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             rotated = self.path.with_name(f"{self.path.stem}-{stamp}{self.path.suffix}")
