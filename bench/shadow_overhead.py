@@ -47,6 +47,7 @@ from bench.gateway_overhead import (  # noqa: E402
     stats,
     stop,
 )
+from bench.loadgen import start_server  # noqa: E402
 from tuner.report import RequestResult  # noqa: E402
 from tuner.traces import TraceRequest  # noqa: E402
 
@@ -61,14 +62,7 @@ GOAL_P50_MS, GOAL_P99_MS, GOAL_RATIO = 0.2, 1.0, 0.95
 
 def start_fake() -> tuple[subprocess.Popen[str], str]:
     """The shadow target: `tuner.fake_server`, instant answers, on a free port."""
-    proc = subprocess.Popen([sys.executable, "-m", "tuner.fake_server", "--port", "0",
-                             "--no-record"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # "fake server listening on http://127.0.0.1:PORT"
-    if "listening on" not in line:
-        proc.kill()
-        raise SystemExit(f"the fake server did not start: {line!r}")
-    return proc, line.rsplit(" ", 1)[-1].strip()
+    return start_server(itl=0.0)
 
 
 def cpu_seconds(pid: int) -> float:
