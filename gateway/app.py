@@ -165,7 +165,7 @@ async def _shadows(app: web.Application) -> AsyncIterator[None]:
     """Shadow targets and the trace capture: started last, stopped first (the capture's last
     lines are written after the requests in flight have settled)."""
     gw = app[GATEWAY]
-    gw.shadows.start()
+    await gw.shadows.start()
     if gw.capture is not None:
         gw.capture.start()
     try:

@@ -8,13 +8,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from protocol.measures import SLO, RequestTiming, attainment
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
 
 class GatewayMetrics:
@@ -32,14 +38,14 @@ class GatewayMetrics:
                                  ["tenant", "priority"], registry=r)
         self.queue_time = Histogram("fairgate_gateway_queue_time_seconds",
                                     "Time from admission to dispatch", ["tenant"],
-                                    buckets=_LATENCY_BUCKETS, registry=r)
+                                    buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("fairgate_gateway_ttft_seconds", "Time to first token (arrival to "
-                              "first token sent)", ["tenant"], buckets=_LATENCY_BUCKETS,
+                              "first token sent)", ["tenant"], buckets=LATENCY_BUCKETS,
                               registry=r)
         self.itl = Histogram("fairgate_gateway_itl_seconds", "Gap between streamed tokens",
-                             ["tenant"], buckets=_ITL_BUCKETS, registry=r)
+                             ["tenant"], buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("fairgate_gateway_e2e_seconds", "Arrival to last byte", ["tenant"],
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                             buckets=LATENCY_BUCKETS, registry=r)
         self.tokens = Counter("fairgate_gateway_tokens_total", "Tokens by direction (in: prompt, "
                               "out: completion)", ["tenant", "direction"], registry=r)
         self.slo_checked = Counter("fairgate_gateway_slo_requests_total",
@@ -61,12 +67,9 @@ class GatewayMetrics:
         self.shadow_failed = Counter("fairgate_gateway_shadow_failed_total",
                                      "Copies the shadow target failed or did not finish",
                                      ["shadow"], registry=r)
-        self.shadow_ttft = Histogram("fairgate_gateway_shadow_ttft_seconds",
-                                     "A copy's time to first token, from its send", ["shadow"],
-                                     buckets=_LATENCY_BUCKETS, registry=r)
-        self.shadow_itl = Histogram("fairgate_gateway_shadow_itl_seconds",
-                                    "Gaps between a copy's tokens", ["shadow"],
-                                    buckets=_ITL_BUCKETS, registry=r)
+        # observed in the shadow sender process, added here in batches
+        self.shadow_latency = ShadowHistograms()
+        r.register(self.shadow_latency)
         self._children: dict[tuple[str, ...], Any] = {}
         self._slo_counts: dict[tuple[str, str], list[int]] = {}
         self._read = _ReadAtScrape()
@@ -118,3 +121,36 @@ class _ReadAtScrape(Collector):
         for name, help_text, value, kind in self.series:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(name, help_text, value=value())
+
+
+class ShadowHistograms(Collector):
+    """fairgate_gateway_shadow_ttft_seconds and _itl_seconds: histograms whose observations are
+    made in the shadow sender process (gateway/shadow_worker.py) and arrive here as bucket
+    counts, one addition per batch instead of one observation per token on the live loop."""
+
+    SERIES = (("fairgate_gateway_shadow_ttft_seconds",
+               "A copy's time to first token, from its send", LATENCY_BUCKETS),
+              ("fairgate_gateway_shadow_itl_seconds", "Gaps between a copy's tokens",
+               ITL_BUCKETS))
+
+    def __init__(self) -> None:
+        # per series, per shadow name: [bucket counts (the last is +Inf), sum]
+        self.data: tuple[dict[str, list[Any]], ...] = ({}, {})
+
+    def add(self, series: int, shadow: str, counts: list[int], total: float) -> None:
+        """Counts per bucket (not cumulative) and their sum, as the worker sends them."""
+        entry = self.data[series].setdefault(shadow, [[0] * len(counts), 0.0])
+        entry[0] = [a + b for a, b in zip(entry[0], counts, strict=True)]
+        entry[1] += total
+
+    def collect(self) -> Iterator[Metric]:
+        for (name, help_text, bounds), data in zip(self.SERIES, self.data, strict=True):
+            family = HistogramMetricFamily(name, help_text, labels=["shadow"])
+            for shadow, (counts, total) in sorted(data.items()):
+                cumulative, buckets = 0, []
+                for bound, count in zip((*map(floatToGoString, bounds), "+Inf"), counts,
+                                         strict=True):
+                    cumulative += count
+                    buckets.append((bound, cumulative))
+                family.add_metric([shadow], buckets, total)
+            yield family

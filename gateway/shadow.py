@@ -2,12 +2,13 @@
 latency paired with the live request it copies.
 
 The live path only calls `ShadowSet.offer` (after admission) and `ShadowSet.live_done` (in
-settle); both are a few dict and deque operations, never I/O, and never wait. Each target has
-its own bounded queue, its own keep-alive pool (`gateway.upstream.UpstreamPool`) and
-`max_inflight` sender tasks; a copy that finds the queue full is dropped and counted, so a slow,
-failing or dead shadow changes nothing for live clients. Copies never touch a tenant's rate
-windows, queues, fair-share counters or usage ledger: they are sent from here, straight to the
-shadow.
+settle); both are a few dict and deque operations, never I/O, and never wait. The copies are
+sent from a child process (gateway/shadow_worker.py), fed over a pipe by a thread of this one:
+their HTTP round trips, stream parsing and histogram observations never run on the live event
+loop. Each target holds at most `max_queue + max_inflight` copies not yet answered; a copy
+beyond that is dropped and counted, so a slow, failing or dead shadow changes nothing for live
+clients. Copies never touch a tenant's rate windows, queues, fair-share counters or usage
+ledger: they go straight to the shadow.
 
 Every copy is sent streaming (with usage), whatever the live request asked, and read to its end:
 its TTFT (from the copy's send) and every token's time are measured, then the answer is thrown
@@ -21,30 +22,30 @@ difference of the p99s.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import math
 import random
+import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from gateway.config import ShadowConfig
 from gateway.metrics import GatewayMetrics
-from gateway.upstream import UpstreamError, UpstreamPool
+from gateway.shadow_worker import FrameReader, FrameSender
 from protocol.measures import SLO, RequestTiming, summarize
-from protocol.sse import SSEReader
 
 log = logging.getLogger("fairgate.gateway")
 MAX_PAIRS = 50_000  # completed pairs kept per target (the longest window's worth at high rate)
 MAX_PENDING = 20_000  # copies whose live or shadow side has not ended yet
 BOOTSTRAP_RESAMPLES = 500
 STATS_QUANTILES = (50, 90, 99)
+RESTART_S = 1.0  # after the sender process died, before the next one starts
 
 
 @dataclass
@@ -55,39 +56,31 @@ class Pair:
     slo: SLO
     live: RequestTiming | None = None
     shadow: RequestTiming | None = None
-    shadow_wait_s: float = 0.0  # in the mirror's queue before it was sent
+    shadow_wait_s: float = 0.0  # waiting to be sent (hand-off and the target's queue)
     sent_at: float = 0.0  # epoch seconds, when the copy was sent
     ended_at: float = 0.0  # monotonic, when the later side ended
 
 
-@dataclass
-class _Copy:
-    request_id: str
-    body: dict[str, Any]  # the client's, not copied: nothing on the live path changes it
-    endpoint: str
-    tenant: str
-    priority: str
-    queued_at: float = field(default_factory=time.perf_counter)
+Send = Callable[[tuple[Any, ...]], None]
 
 
 class ShadowMirror:
-    """One shadow target: its queue, senders, pool and pairs."""
+    """One shadow target, as the gateway keeps it: the sample, the copies not yet answered, the
+    pairs and the counts. The sending is the worker process's."""
 
-    def __init__(self, config: ShadowConfig, metrics: GatewayMetrics,
+    def __init__(self, config: ShadowConfig, metrics: GatewayMetrics, send: Send,
                  draw: Callable[[], float] = random.random) -> None:
         self.config = config
         self.metrics = metrics
+        self.send = send
         self.draw = draw
-        self.queue: deque[_Copy] = deque()
         self.pending: dict[str, Pair] = {}
         self.pairs: deque[Pair] = deque(maxlen=MAX_PAIRS)
         self.sent = self.dropped = self.failed = 0
-        self.inflight = 0
+        self.outstanding = 0  # copies handed to the worker and not answered yet
+        self.queued = self.inflight = 0  # as the worker last said
         self.model: str | None = config.model
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self._http = UpstreamPool(config.base_url, headers)
-        self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._limit = config.max_queue + config.max_inflight
         self._tenants = None if config.tenants == ("all",) else frozenset(config.tenants)
 
     @property
@@ -97,17 +90,20 @@ class ShadowMirror:
     # ---- the live path: never waits ------------------------------------------------------------
     def offer(self, request_id: str, body: dict[str, Any], endpoint: str, tenant: str,
               priority: str, slo: SLO) -> None:
-        """Copy an admitted request when the sample draws it; dropped when the queue is full."""
+        """Copy an admitted request when the sample draws it; dropped when the target is full."""
         if self._tenants is not None and tenant not in self._tenants:
             return
         if self.config.sample < 1.0 and self.draw() >= self.config.sample:
             return
-        if len(self.queue) >= self.config.max_queue or len(self.pending) >= MAX_PENDING:
+        if self.outstanding >= self._limit or len(self.pending) >= MAX_PENDING:
             self._drop("queue_full")
             return
         self.pending[request_id] = Pair(tenant, slo)
-        self.queue.append(_Copy(request_id, body, endpoint, tenant, priority))  # encoded later
-        self._wake.set()
+        self.outstanding += 1
+        # the body is the client's, not copied (nothing on the live path changes it): pickled
+        # by the writer thread, encoded as JSON by the worker
+        self.send(("copy", self.name, request_id, body, endpoint, tenant, priority,
+                   time.perf_counter()))
 
     def live_done(self, request_id: str, timing: RequestTiming) -> None:
         pair = self.pending.get(request_id)
@@ -115,20 +111,9 @@ class ShadowMirror:
             pair.live = timing
             self._maybe_complete(request_id, pair)
 
-    def _body(self, body: dict[str, Any], tenant: str, priority: str) -> bytes:
-        copy = dict(body)
-        copy.update(stream=True, stream_options={"include_usage": True})
-        if self.model is not None:
-            copy["model"] = self.model
-        if self.config.kind == "fairgate":
-            copy.update(tenant=tenant, priority=priority)
-        else:
-            copy.pop("priority", None)
-        return json.dumps(copy, separators=(",", ":")).encode()
-
-    def _drop(self, reason: str) -> None:
-        self.dropped += 1
-        self.metrics.child("shadow_dropped", self.name, reason).inc()
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.dropped += n
+        self.metrics.child("shadow_dropped", self.name, reason).inc(n)
 
     def _maybe_complete(self, request_id: str, pair: Pair) -> None:
         if pair.live is None or pair.shadow is None:
@@ -137,111 +122,38 @@ class ShadowMirror:
         pair.ended_at = time.monotonic()
         self.pairs.append(pair)
 
-    # ---- the senders ------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._sender(), name=f"shadow-{self.name}-{i}")
-                       for i in range(self.config.max_inflight)]
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []
-        self._http.close()
-
-    async def _sender(self) -> None:
-        while True:
-            while not self.queue:
-                self._wake.clear()
-                await self._wake.wait()
-            copy = self.queue.popleft()
-            if self.queue:
-                self._wake.set()  # more for the other senders
-            await self._send(copy)
-
-    async def _send(self, copy: _Copy) -> None:
-        pair = self.pending.get(copy.request_id)
-        if pair is None:
+    # ---- what the worker reports --------------------------------------------------------------
+    def done(self, request_id: str, wait_s: float, sent_at: float, started: float,
+             stamps: list[float], tokens: int, end: float, ok: bool) -> None:
+        pair = self.pending.get(request_id)
+        if pair is None or pair.shadow is not None:
             return
-        started = time.perf_counter()
-        pair.shadow_wait_s = started - copy.queued_at
-        pair.sent_at = time.time()
-        stamps: list[float] = []
-        tokens: int | None = None
-        ok = False
-        self.inflight += 1
-        try:
-            path = "/v1/chat/completions" if copy.endpoint == "chat" else "/v1/completions"
-            resp = await self._http.request("POST", path, self._body(
-                copy.body, copy.tenant, copy.priority), timeout=self.config.timeout_s)
-            try:
-                if resp.status < 400:
-                    tokens, ok = await self._read(resp, stamps)
-            finally:
-                resp.close()
-        except (UpstreamError, OSError) as exc:
-            log.debug("shadow %s: %s", self.name, exc)
-        finally:
-            self.inflight -= 1
-        end = time.perf_counter()
+        self.outstanding -= 1
         self.sent += 1
         self.metrics.child("shadow_sent", self.name).inc()
-        timing = RequestTiming(started, stamps, tokens if tokens is not None else len(stamps),
-                               end, ok=ok)
-        if ok:
-            self._observe(timing)
-        else:
+        if not ok:
             self.failed += 1
             self.metrics.child("shadow_failed", self.name).inc()
-        pair.shadow = timing
-        self._maybe_complete(copy.request_id, pair)
+        pair.shadow = RequestTiming(started, stamps, tokens, end, ok=ok)
+        pair.shadow_wait_s, pair.sent_at = wait_s, sent_at
+        self._maybe_complete(request_id, pair)
 
-    async def _read(self, resp: Any, stamps: list[float]) -> tuple[int | None, bool]:
-        """Read the stream to its end, stamping each token event; (usage tokens, ended well)."""
-        reader = SSEReader()
-        tokens: int | None = None
-        done = False
-        resp.watch_stalls(self.config.timeout_s)
-        while data := await resp.next_chunk():
-            now = time.perf_counter()
-            for event in reader.feed(data):
-                data = event.data
-                if data == b"[DONE]":
-                    done = True
-                    continue
-                if _plain_text(data):  # the common event: a token, told apart without parsing
-                    stamps.append(now)
-                    continue
-                try:
-                    message = json.loads(data)
-                except ValueError:
-                    continue
-                if "error" in message:
-                    return tokens, False
-                usage = message.get("usage")
-                if isinstance(usage, dict) and "completion_tokens" in usage:
-                    tokens = int(usage["completion_tokens"])
-                if _has_text(message):
-                    stamps.append(now)
-        return tokens, done
-
-    def _observe(self, timing: RequestTiming) -> None:
-        ttft = timing.ttft
-        if ttft is not None:
-            self.metrics.child("shadow_ttft", self.name).observe(ttft)
-        itl = self.metrics.child("shadow_itl", self.name)
-        for gap in timing.itls:
-            itl.observe(gap)
+    def lost(self) -> None:
+        """The worker died: the copies it held are dropped, and so are their pairs."""
+        gone = [rid for rid, pair in self.pending.items() if pair.shadow is None]
+        for rid in gone:
+            del self.pending[rid]
+        if gone:
+            self._drop("sender_died", len(gone))
+        self.outstanding = self.queued = self.inflight = 0
 
     # ---- what the admin API shows ---------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         c = self.config
         return {"name": c.name, "url": c.url, "kind": c.kind, "model": self.model,
                 "sample": c.sample, "tenants": list(c.tenants), "max_inflight": c.max_inflight,
-                "max_queue": c.max_queue, "queued": len(self.queue), "inflight": self.inflight,
-                "sent": self.sent,
+                "max_queue": c.max_queue, "queued": self.queued, "inflight": self.inflight,
+                "outstanding": self.outstanding, "sent": self.sent,
                 "dropped": self.dropped, "failed": self.failed, "pairs": len(self.pairs)}
 
     def window(self, window_s: float, sent_after: float | None = None) -> list[Pair]:
@@ -384,38 +296,18 @@ def _attainment(pairs: Sequence[Pair], side: str) -> dict[str, dict[str, Any]]:
             for tenant, (met, total) in sorted(counts.items())}
 
 
-_TEXT_OPENERS = (b'"text":"', b'"text": "', b'"content":"', b'"content": "')
-_EMPTY_TEXTS = (b'"text":""', b'"text": ""', b'"content":""', b'"content": ""')
-_PARSE_MARKERS = (b'"usage":{', b'"usage": {', b'"error"')  # `"usage": null` needs no parse
-
-
-def _plain_text(data: bytes) -> bool:
-    """A token event with nothing else to read: non-empty text and no usage or error. The byte
-    patterns are JSON keys: generated text cannot hold them unescaped."""
-    return (any(o in data for o in _TEXT_OPENERS) and not any(e in data for e in _EMPTY_TEXTS)
-            and not any(m in data for m in _PARSE_MARKERS))
-
-
-def _has_text(message: dict[str, Any]) -> bool:
-    for choice in message.get("choices") or ():
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        text = choice.get("text") if delta is None else (
-            delta.get("content") if isinstance(delta, dict) else None)
-        if text:
-            return True
-    return False
-
-
 class ShadowSet:
-    """Every shadow target of a gateway, by name; started, changed and stopped at run time."""
+    """Every shadow target of a gateway, by name, and the sender process they share; targets
+    are started, changed and stopped at run time."""
 
     def __init__(self, configs: Sequence[ShadowConfig], metrics: GatewayMetrics) -> None:
         self.metrics = metrics
-        self.mirrors: dict[str, ShadowMirror] = {c.name: ShadowMirror(c, metrics)
-                                                 for c in configs}
+        self.mirrors: dict[str, ShadowMirror] = {
+            c.name: ShadowMirror(c, metrics, self._send) for c in configs}
         self.running = False
+        self.worker: subprocess.Popen[bytes] | None = None
+        self._out: FrameSender | None = None
+        self._restart: asyncio.TimerHandle | None = None
 
     def __bool__(self) -> bool:
         return bool(self.mirrors)
@@ -429,37 +321,116 @@ class ShadowSet:
         for mirror in self.mirrors.values():
             mirror.live_done(request_id, timing)
 
-    def start(self) -> None:
+    async def start(self) -> None:
         self.running = True
-        for mirror in self.mirrors.values():
-            mirror.start()
+        if self.mirrors:
+            await self._spawn()
 
     async def close(self) -> None:
         self.running = False
-        for mirror in self.mirrors.values():
-            await mirror.close()
+        if self._restart is not None:
+            self._restart.cancel()
+        await self._stop_worker()
 
     async def put(self, config: ShadowConfig) -> ShadowMirror:
         """Start a target, or replace the one of that name (its pairs are kept when only the
         sample or the tenants change)."""
         old = self.mirrors.get(config.name)
-        mirror = ShadowMirror(config, self.metrics)
-        if old is not None:
-            if (old.config.url, old.config.kind, old.config.model) == (
-                    config.url, config.kind, config.model):
-                # the same candidate: its completed pairs and counts carry over (copies in
-                # flight end with the old senders and are not paired)
-                mirror.pairs = old.pairs
-                mirror.sent, mirror.dropped, mirror.failed = old.sent, old.dropped, old.failed
-            await old.close()
+        mirror = ShadowMirror(config, self.metrics, self._send)
+        if old is not None and (old.config.url, old.config.kind, old.config.model) == (
+                config.url, config.kind, config.model):
+            # the same candidate: its completed pairs and counts carry over (copies in flight
+            # end with the old target's senders and are not paired)
+            mirror.pairs = old.pairs
+            mirror.sent, mirror.dropped, mirror.failed = old.sent, old.dropped, old.failed
         self.mirrors[config.name] = mirror
         if self.running:
-            mirror.start()
+            if self.worker is None:
+                await self._spawn()
+            else:
+                self._send(("put", config))
         return mirror
 
     async def remove(self, name: str) -> bool:
-        mirror = self.mirrors.pop(name, None)
-        if mirror is None:
+        if self.mirrors.pop(name, None) is None:
             return False
-        await mirror.close()
+        if self.worker is not None:
+            self._send(("remove", name))
+        if not self.mirrors:
+            await self._stop_worker()
         return True
+
+    # ---- the sender process -------------------------------------------------------------------
+    def _send(self, message: tuple[Any, ...]) -> None:
+        if self._out is None or self._out.broken:
+            if message[0] == "copy":  # no worker (died, restarting): the copy goes nowhere
+                mirror = self.mirrors.get(message[1])
+                if mirror is not None:
+                    mirror.pending.pop(message[2], None)
+                    mirror.outstanding -= 1
+                    mirror._drop("sender_died")
+            return
+        self._out.put(message)
+
+    async def _spawn(self) -> None:
+        loop = asyncio.get_running_loop()
+        worker = self.worker = subprocess.Popen(
+            [sys.executable, "-m", "gateway.shadow_worker"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, bufsize=0)
+        assert worker.stdin is not None and worker.stdout is not None
+        self._out = await FrameSender.open(worker.stdin)
+        for mirror in self.mirrors.values():
+            self._out.put(("put", mirror.config))
+        await loop.connect_read_pipe(lambda: FrameReader(
+            lambda batch: self._deliver(worker, batch), lambda: self._ended(worker)),
+            worker.stdout)
+
+    def _deliver(self, worker: subprocess.Popen[bytes], batch: list[tuple[Any, ...]]) -> None:
+        if worker is not self.worker:
+            return
+        for message in batch:
+            mirror = self.mirrors.get(message[1])
+            if mirror is None:
+                continue
+            kind = message[0]
+            if kind == "done":
+                mirror.done(*message[2:])
+            elif kind == "state":
+                mirror.queued, mirror.inflight = message[2], message[3]
+            elif kind == "hist":
+                self.metrics.shadow_latency.add(0, mirror.name, message[2], message[3])
+                self.metrics.shadow_latency.add(1, mirror.name, message[4], message[5])
+
+    def _ended(self, worker: subprocess.Popen[bytes]) -> None:
+        if worker is not self.worker or not self.running:
+            return
+        code = worker.poll()
+        log.error("the shadow sender process exited (code %s); its copies are dropped and "
+                  "counted (reason sender_died); starting another in %g s", code, RESTART_S)
+        self.worker, self._out = None, None
+        for mirror in self.mirrors.values():
+            mirror.lost()
+        self._restart = asyncio.get_running_loop().call_later(RESTART_S, self._respawn)
+
+    def _respawn(self) -> None:
+        self._restart = None
+        if self.running and self.worker is None and self.mirrors:
+            task = asyncio.get_running_loop().create_task(self._spawn())
+            task.add_done_callback(self._spawned)
+
+    def _spawned(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the shadow sender process did not start: %s", task.exception())
+
+    async def _stop_worker(self) -> None:
+        worker, out = self.worker, self._out
+        self.worker, self._out = None, None
+        if worker is None or out is None:
+            return
+        out.close()  # the worker reads the end of its stdin and exits
+        try:
+            await asyncio.to_thread(worker.wait, 10)
+        except subprocess.TimeoutExpired:
+            log.warning("the shadow sender process did not exit in 10 s: killed")
+            worker.kill()
+            await asyncio.to_thread(worker.wait)
