@@ -2,7 +2,7 @@
 
     fairgate tune --mode sim | replay --url URL | launch --command '...{port}...{knob}...'
                   | shadow --gateway URL --admin-key K --shadow NAME [--shadow-requests N]
-                    [--shadow-window S]
+                    [--shadow-window S] [--recheck N]
                   [--api-key KEY] [--launch-timeout S] [-c fairgate.yaml] [--set KNOB=VALUE]
                   [--sim-profile FILE]
                   (--workload NAME | --trace FILE | --workload-file F) [--rate R] [--duration S]
@@ -21,6 +21,12 @@ exit status 2 (for replay that includes an unreachable --url). Exit status 1: th
 no trial met both SLOs (no best.yaml). In launch mode a server that exits or never becomes
 healthy makes that trial infeasible and the study goes on; when it is the base config's trial,
 a line says so at the end.
+
+After a shadow study the recommendation and the next best feasible configs (--recheck N, default
+3; 0: off) are re-checked on the traffic the gateway captured during the study (it needs
+`gateway.capture`): replayed on the shadow engine with the mirroring to it paused, and in sim
+(tuner/recheck.py); the report and recheck.csv show live-shadow, replay and sim figures side
+by side. Without a capture the re-check is skipped with a line saying so.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from tuner.bench_cli import plan_requests
 from tuner.space import default_space, load_space_file
 from tuner.study import (
     HEARTBEAT_S,
+    MAX_RECHECK,
     MODES,
     OBJECTIVES,
     RUNNERS,
@@ -57,6 +64,7 @@ from tuner.traces import TRACE_FORMATS, TraceRequest
 from tuner.workload import WORKLOADS
 
 DEFAULT_TRIALS = 30
+DEFAULT_RECHECK = 3
 # the workload options of `fairgate bench` that tune does not offer, at bench's defaults
 _BENCH_DEFAULTS = {"scale_tokens": 1.0, "max_prompt_tokens": None, "max_output_tokens": None,
                    "num_requests": None, "arrivals": None, "burstiness": None, "speed": None,
@@ -89,6 +97,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shadow-window", type=float, default=RunnerOptions.shadow_window_s,
                         metavar="S", help="shadow: the longest a trial waits for them (default "
                         f"{RunnerOptions.shadow_window_s:g} s)")
+    parser.add_argument("--recheck", type=int, metavar="N", help="shadow: after the study, "
+                        "re-check the recommendation and the next best feasible configs, N in "
+                        "all, on the traffic the gateway captured during it (replay on the "
+                        "shadow engine, mirroring paused, and sim; needs gateway.capture). "
+                        f"Default {DEFAULT_RECHECK}, 0: off")
     parser.add_argument("--launch-timeout", type=float, default=RunnerOptions.launch_timeout_s,
                         metavar="S", help="launch: seconds a server has to answer /health "
                         f"(default {RunnerOptions.launch_timeout_s:g})")
@@ -189,6 +202,11 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
     if mode == "shadow" and robustness:
         raise ValueError("--robustness re-runs other draws of a workload: --mode shadow has "
                          "none (its traffic is live)")
+    if mode != "shadow" and args.recheck is not None:
+        raise ValueError(f"--recheck re-checks a shadow study on its captured traffic: it is "
+                         f"for --mode shadow, not --mode {mode}")
+    recheck = check_int("--recheck", DEFAULT_RECHECK if args.recheck is None else args.recheck,
+                        low=0, high=MAX_RECHECK)
     return TuneSpec(mode=mode, base=base, space=space, requests=tuple(requests), slo=slo,
                     storage=storage, study_name=study, out_dir=out_dir,
                     objective=objective, trials=trials, timeout_s=args.timeout,
@@ -197,7 +215,8 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
                     runner=runner, baseline=args.baseline, workers=workers(mode, args),
                     urls=tuple(args.url), variants=variants(args, robustness, requests),
                     robust_top=check_int("--robust-top", args.robust_top, low=1),
-                    heartbeat_s=check_positive_int("--heartbeat", args.heartbeat))
+                    heartbeat_s=check_positive_int("--heartbeat", args.heartbeat),
+                    recheck=recheck if mode == "shadow" else 0)
 
 
 MAX_VARIANTS = 16

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -234,6 +235,56 @@ async def shadow_stats(request: web.Request) -> web.Response:
     return web.json_response(await asyncio.to_thread(mirror.stats, window, pairs, 0, detail))
 
 
+# ---- trace capture (gateway/capture.py) -------------------------------------------------------
+CAPTURE_MEDIA_TYPE = "application/x-ndjson"
+MAX_CAPTURE_LIMIT = 1_000_000
+
+
+def _epoch(request: web.Request, name: str, default: float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise bad_request(f"{name} must be a time in epoch seconds", name) from None
+    if not math.isfinite(value) or value < 0:
+        raise bad_request(f"{name} must be a time in epoch seconds (>= 0)", name)
+    return value
+
+
+def _limit(request: web.Request) -> int | None:
+    raw = request.query.get("limit")
+    if raw is None:
+        return None
+    if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= MAX_CAPTURE_LIMIT:
+        raise bad_request(f"limit must be a whole number of requests, 1..{MAX_CAPTURE_LIMIT}",
+                          "limit")
+    return int(raw)
+
+
+async def capture_window(request: web.Request) -> web.Response:
+    """GET /admin/capture?since=EPOCH&until=EPOCH[&limit=N]: the captured requests that arrived
+    in [since, until) (the most recent N), as a fairgate JSONL trace whose first request is at
+    arrival 0 (its header comment names that request's epoch); empty when none did."""
+    request.app[AUTH].check_admin(request)
+    capture = request.app[GATEWAY].capture
+    if capture is None:
+        raise ApiError(404, "this gateway captures no traffic: set gateway.capture.path in its "
+                       "config (gateway.capture: {path: FILE})", code="no_capture")
+    since = _epoch(request, "since", 0.0)
+    until = _epoch(request, "until", math.inf)
+    if until <= since:
+        raise bad_request("until must be after since", "until")
+    limit = _limit(request)
+    try:
+        text = await capture.window(since, until, limit)
+    except OSError as exc:
+        raise ApiError(503, f"cannot read the trace capture ({exc.strerror or exc}); try again "
+                       "shortly", code="capture_unavailable", retry_after=_RETRY_AFTER_S) from None
+    return web.Response(text=text, content_type=CAPTURE_MEDIA_TYPE)
+
+
 def _field_of(message: str) -> str | None:
     """`gateway.shadow[x].sample must ...` -> `sample`, for the error's param."""
     head = message.split(" ", 1)[0]
@@ -253,3 +304,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_patch("/admin/shadow/{name}", patch_shadow)
     app.router.add_delete("/admin/shadow/{name}", delete_shadow)
     app.router.add_get("/admin/shadow/{name}/stats", shadow_stats)
+    app.router.add_get("/admin/capture", capture_window)

@@ -12,20 +12,29 @@ block, the gateway's own estimate of a token).
 The live path appends the request and its figures to a list; a background task hashes,
 encodes and writes them in batches off the event loop (in a thread) every `FLUSH_S`, rotating the file past `rotate_mb` (the full file is renamed with a UTC
 time stamp and a new one begun). Shutdown writes what is left.
+
+Every file this process writes to begins its lines with a header comment that names the
+capture's start (`# fairgate trace captured from <UTC>; ... (epoch <seconds>)`), also when it
+appends to a file an earlier gateway left: a line's arrival is relative to the header above
+it, which is how `GET /admin/capture` (`read_window`) finds the requests of a time span in
+the current and the rotated files.
 """
 
 from __future__ import annotations
 
 import asyncio
+import calendar
 import contextlib
 import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import random
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +59,7 @@ class TraceCapture:
         self.started_at = time.time()
         self.lines: list[tuple[OpenAIRequest, dict[str, Any]]] = []
         self.written = 0
+        self._headed = False  # this process's header is in the current file
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
@@ -136,8 +146,102 @@ class TraceCapture:
             os.replace(self.path, rotated)
         new = not self.path.exists()
         with self.path.open("a", encoding="utf-8") as f:
-            if new:
-                since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_at))
-                f.write(f"# fairgate trace captured from {since}; arrivals in seconds since "
-                        "then\n")
+            if new or not self._headed:  # a new file, or one an earlier gateway left
+                f.write(header(self.started_at))
+                self._headed = True
             f.write("\n".join(lines) + "\n")
+
+    # ---- reading (GET /admin/capture) -----------------------------------------------------------
+    async def window(self, since: float, until: float, limit: int | None) -> str:
+        """The captured requests that arrived in [since, until) (epoch seconds), the most
+        recent `limit` of them, as a fairgate trace; what is buffered is written first, and
+        the files are read in a thread (OSError when they cannot be)."""
+        await self.flush()
+        async with self._lock:  # no rotation while the files are listed and read
+            return await asyncio.to_thread(self._read, since, until, limit)
+
+    def _read(self, since: float, until: float, limit: int | None) -> str:
+        return read_window(self.files(since), since, until, limit, self.started_at)
+
+    def files(self, since: float) -> list[Path]:
+        """The current capture file and its rotated copies, except those last written before
+        `since` (every line in them arrived earlier)."""
+        pattern = f"{self.path.stem}-*{self.path.suffix}"
+        found = [self.path, *self.path.parent.glob(pattern)]
+        out = []
+        for path in found:
+            try:
+                if path.stat().st_mtime >= since:
+                    out.append(path)
+            except FileNotFoundError:  # rotated away meanwhile, or never written yet
+                continue
+        return out
+
+
+HEADER_EPOCH = re.compile(r"\(epoch (\d+(?:\.\d*)?)\)")
+HEADER_UTC = re.compile(r"captured from (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)")
+
+
+def header(started_at: float) -> str:
+    """The comment that opens a capture's lines in a file: when its arrivals count from."""
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_at))
+    return (f"# fairgate trace captured from {since}; arrivals in seconds since then "
+            f"(epoch {started_at:.6f})\n")
+
+
+def header_epoch(line: str) -> float | None:
+    """The epoch a header line names (a header without one, as captures before it wrote,
+    by its UTC stamp, to the second); None for other comments."""
+    found = HEADER_EPOCH.search(line)
+    if found:
+        return float(found.group(1))
+    stamp = HEADER_UTC.search(line)
+    if stamp:
+        return float(calendar.timegm(time.strptime(stamp.group(1), "%Y-%m-%dT%H:%M:%SZ")))
+    return None
+
+
+def read_window(paths: Iterable[Path], since: float, until: float, limit: int | None,
+                started_at: float) -> str:
+    """The lines of `paths` whose arrival (the header above them, else `started_at`, plus
+    their offset) is in [since, until), the latest `limit`, as a fairgate trace: arrivals
+    rebased so the first request is at 0, as tuner.traces.load_trace rebases any trace, and
+    the header naming the first request's epoch."""
+    found: list[tuple[float, dict[str, Any]]] = []
+    for path in paths:
+        found += _lines_in(path, since, until, started_at)
+    found.sort(key=lambda item: item[0])
+    if limit is not None:
+        found = found[-limit:]
+    if not found:
+        return ""
+    first = found[0][0]
+    out = [header(first)]
+    for epoch, line in found:
+        line["arrival"] = round(epoch - first, 6)
+        out.append(json.dumps(line, separators=(",", ":")) + "\n")
+    return "".join(out)
+
+
+def _lines_in(path: Path, since: float, until: float,
+              started_at: float) -> list[tuple[float, dict[str, Any]]]:
+    """(epoch, line) of one capture file's requests in [since, until); a line that is not a
+    request (a write cut off by a crash) is left out."""
+    base = started_at
+    out = []
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            for text in f:
+                if text.startswith("#"):
+                    base = header_epoch(text) or base
+                    continue
+                try:
+                    line = json.loads(text)
+                    epoch = base + float(line["arrival"])
+                except (ValueError, TypeError, KeyError):
+                    continue
+                if math.isfinite(epoch) and since <= epoch < until:
+                    out.append((epoch, line))
+    except FileNotFoundError:  # rotated and removed by the operator meanwhile
+        return []
+    return out

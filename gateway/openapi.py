@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.admin import CAPTURE_MEDIA_TYPE, MAX_CAPTURE_LIMIT
 from gateway.config import BACKEND_KINDS, SHADOW_NAME_PATTERN, SHADOW_URL_PATTERN
 from protocol import openapi as protocol_schemas
 from protocol.openapi import Schema, nullable
@@ -207,6 +208,13 @@ _WINDOW = {"name": "window_s", "in": "query", "required": False,
            "schema": {"type": "number", "exclusiveMinimum": 0}}
 _TENANT = {"name": "name", "in": "path", "required": True, "schema": TENANT_NAME}
 _SHADOW = {"name": "name", "in": "path", "required": True, "schema": SHADOW_NAME}
+
+
+def _epoch_param(name: str, description: str) -> Schema:
+    return {"name": name, "in": "query", "required": False, "description": description,
+            "schema": {"type": "number", "minimum": 0}}
+
+
 ROUTES = (
     Route("post", "/v1/completions", "A completion (OpenAI's API).",
           {200: _answer("Completion", "CompletionEvent")}, _INFERENCE_ERRORS, "tenantKey",
@@ -252,6 +260,18 @@ ROUTES = (
                       {"name": "detail", "in": "query", "required": False,
                        "description": "1: every pair's [ttft, tpot, e2e, tokens, ok].",
                        "schema": {"enum": ["0", "1", "true", "false"]}})),
+    Route("get", "/admin/capture", "The captured requests of a time span, as a fairgate trace.",
+          {200: {"description": "A fairgate JSONL trace (tuner/traces.py): a header comment, "
+                                "then one request a line, the first at arrival 0; empty when "
+                                "no request arrived in the span.",
+                 "content": {CAPTURE_MEDIA_TYPE: {"schema": STRING}}}},
+          (400, 401, 404, 503), "adminKey",
+          parameters=(_epoch_param("since", "From this time (epoch seconds; default 0)."),
+                      _epoch_param("until", "Before this time (epoch seconds; default: now)."),
+                      {"name": "limit", "in": "query", "required": False,
+                       "description": "Only the most recent N requests of the span.",
+                       "schema": {"type": "integer", "minimum": 1,
+                                  "maximum": MAX_CAPTURE_LIMIT}})),
     Route("get", "/health", "Liveness (the path vLLM and SGLang serve).",
           {200: _json("Health", "Alive.")}),
     Route("get", "/healthz", "Liveness.", {200: _json("Health", "Alive.")}),

@@ -115,19 +115,28 @@ def engine_window(base_url: str, api_key: str | None, seconds: float) -> dict[st
 
 
 def request_json(url: str, api_key: str | None, body: dict[str, Any] | None = None,
-                 timeout: float = 10.0) -> tuple[int, dict[str, Any]]:
-    """(status, JSON body) of a GET (or a POST of `body`); OSError when unreachable."""
+                 timeout: float = 10.0, method: str | None = None) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of a GET (or a POST of `body`, or `method`); OSError when
+    unreachable."""
+    status, raw = request_bytes(url, api_key, body, timeout, method)
+    return status, _json(raw)
+
+
+def request_bytes(url: str, api_key: str | None, body: dict[str, Any] | None = None,
+                  timeout: float = 10.0, method: str | None = None) -> tuple[int, bytes]:
+    """(status, raw body) of a GET (or a POST of `body`, or `method`); OSError when
+    unreachable."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers=headers,
-                                 method="GET" if body is None else "POST")
+                                 method=method or ("GET" if body is None else "POST"))
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, _json(resp.read())
+            return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
-        return exc.code, _json(exc.read())
+        return exc.code, exc.read()
 
 
 def _json(raw: bytes) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import optuna
@@ -47,11 +47,14 @@ from optuna.trial import FrozenTrial, TrialState
 
 from engine.config import EngineConfig
 from protocol.measures import SLO, RequestTiming, error_budget, goodput
-from protocol.validators import check_choice, check_number, check_positive_int
+from protocol.validators import check_choice, check_int, check_number, check_positive_int
 from tuner.capacity import mean_rate, scale_arrivals, search_capacity
 from tuner.progress import ProgressBar
 from tuner.space import Space, build_config
 from tuner.traces import TraceRequest
+
+if TYPE_CHECKING:
+    from tuner.recheck import Recheck
 
 MODES = ("sim", "replay", "launch", "shadow")
 OBJECTIVES = ("goodput", "capacity", "pareto")
@@ -61,6 +64,7 @@ OBJECTIVE_TEXT = {"goodput": "requests/s meeting both SLOs at the workload's own
                   "pareto": "output tokens/s against p99 TTFT, both SLOs as constraints"}
 OBJECTIVE_UNIT = {"goodput": "req/s", "capacity": "req/s", "pareto": "tok/s"}
 BASELINES = ("vllm-grid",)
+MAX_RECHECK = 20  # re-checked configs: each is a real-time replay
 HEARTBEAT_S = 10  # a killed worker's trial is retried once it missed two heartbeats
 VIOLATION_CAP = 1e6  # seconds: an infinite p99 (or a trial that never ran) as a finite violation
 BOOTSTRAP_RESAMPLES = 200
@@ -233,6 +237,7 @@ class TuneSpec:
     variants: tuple[Variant, ...] = ()  # robustness: the top configs re-run on each
     robust_top: int = 3
     heartbeat_s: int = HEARTBEAT_S
+    recheck: int = 3  # shadow: the best configs re-checked on the study's captured traffic
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -249,6 +254,7 @@ class TuneSpec:
             check_number("--timeout", self.timeout_s, low=0, open_low=True)
         check_positive_int("--workers", self.workers)
         check_positive_int("--heartbeat", self.heartbeat_s)
+        check_int("--recheck", self.recheck, low=0, high=MAX_RECHECK)
         if self.baseline is not None:
             check_choice("--baseline", self.baseline, BASELINES)
             missing = [k for k in VLLM_GRID_KNOBS if k not in self.space]
@@ -462,6 +468,7 @@ class StudyOutcome:
     files: list[Path] = field(default_factory=list)
     robustness: list[Robustness] = field(default_factory=list)
     front: list[TrialRow] = field(default_factory=list)  # pareto: the feasible front
+    recheck: Recheck | None = None  # shadow: the best configs on the captured trace
 
     @property
     def top(self) -> TrialRow | None:
@@ -511,7 +518,9 @@ def open_storage(spec: TuneSpec) -> optuna.storages.RDBStorage:
 def run_study(spec: TuneSpec, progress: Progress | None = None) -> StudyOutcome:
     """Run the study named in `spec` until it holds `spec.trials` finished trials (or for
     `spec.timeout_s`), creating or resuming it, over `spec.workers` workers; then re-run the
-    top configs on the other workload variants and write best.yaml, trials.csv and reports."""
+    top configs on the other workload variants (shadow mode: re-check the best ones on the
+    study's captured traffic, `tuner.recheck`) and write best.yaml, trials.csv and reports."""
+    from tuner.recheck import run_recheck
     from tuner.study_report import write_outputs
 
     runner = _runner(spec, 0)
@@ -543,7 +552,18 @@ def run_study(spec: TuneSpec, progress: Progress | None = None) -> StudyOutcome:
                            baseline_row(rows, "default"),
                            robustness=robustness,
                            front=pareto_front(rows) if spec.multi_objective else [])
+    if spec.mode == "shadow" and spec.recheck > 0:
+        outcome = dataclasses.replace(outcome, recheck=run_recheck(
+            spec, outcome, runner, progress, _started_at(study)))
     return dataclasses.replace(outcome, files=write_outputs(spec, outcome, study))
+
+
+def _started_at(study: optuna.Study) -> float:
+    """When the study's first trial started (epoch seconds; over every run of a resumed
+    study): the start of the span whose captured traffic the re-check replays."""
+    starts = [t.datetime_start.timestamp() for t in study.get_trials(deepcopy=False)
+              if t.datetime_start is not None]
+    return min(starts, default=time.time())
 
 
 def _runner(spec: TuneSpec, worker: int) -> TrialRunner:
@@ -768,10 +788,13 @@ class _Evaluator:
     """The objective: one trial, never raising for a config that cannot run."""
 
     def __init__(self, spec: TuneSpec, runner: TrialRunner, prepared: EngineConfig,
-                 progress: Progress | None = None, worker: int = 0) -> None:
+                 progress: Progress | None = None, worker: int = 0,
+                 full_runs: bool = False) -> None:
         self.spec, self.runner, self.prepared = spec, runner, prepared
         self.progress, self.worker = progress, worker
         self.stop = early_stop(len(spec.requests), spec.slo)
+        # re-checks compare figures between sources: every request runs, none is cut off
+        self.full_runs = full_runs
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         _beat(trial)
@@ -821,6 +844,8 @@ class _Evaluator:
         return Scored(value, measures, missed)
 
     def _stop_for(self, requests: Sequence[TraceRequest]) -> StopRule:
+        if self.full_runs:
+            return _never_stop
         return self.stop if requests is self.spec.requests else early_stop(
             len(requests), self.spec.slo)
 
@@ -858,6 +883,10 @@ class _Evaluator:
                           f"workload's rate ({lowest * workload_rate:.3g} req/s): {missed}",
                           found)
         return Scored(capacity, search.at, None, found)
+
+
+def _never_stop(finished: list[RequestTiming]) -> str | None:
+    return None
 
 
 def _beat(trial: optuna.Trial) -> None:

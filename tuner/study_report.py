@@ -3,7 +3,9 @@
 best.yaml is the recommendation (the best worst case over the robustness re-runs, or the
 study's best without them) as an `engine:` section that `fairgate engine -c` and
 `fairgate serve -c` load as it is. The reports compare it with the base config and, with
-`--baseline vllm-grid`, with the best of vLLM auto_tune's 8 configs.
+`--baseline vllm-grid`, with the best of vLLM auto_tune's 8 configs. After a shadow study they
+show its best configs re-checked on the captured traffic (`tuner.recheck`: live shadow,
+replay and sim side by side), also in recheck.csv.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import optuna
 import yaml
 
 from engine.config import EngineConfig
+from tuner import recheck as recheck_table
 from tuner import report_html as html
 from tuner.study import (
     OBJECTIVE_TEXT,
@@ -36,15 +39,19 @@ from tuner.study import (
 
 def write_outputs(spec: TuneSpec, outcome: StudyOutcome,
                   study: optuna.Study | None = None) -> list[Path]:
-    """best.yaml (only when a trial met both SLOs), trials.csv, report.md and report.html in
-    spec.out_dir; each file appears whole or not at all."""
+    """best.yaml (only when a trial met both SLOs), trials.csv, recheck.csv (only when configs
+    were re-checked), report.md and report.html in spec.out_dir; each file appears whole or
+    not at all."""
     files = {"trials.csv": trials_csv(spec, outcome.rows), "report.md": report_md(spec, outcome),
              "report.html": report_html(spec, outcome, study)}
+    if outcome.recheck is not None and outcome.recheck.rows:
+        files["recheck.csv"] = recheck_csv(spec, outcome)
     if outcome.best is not None:
         files = {"best.yaml": best_yaml(spec, outcome), **files}
     spec.out_dir.mkdir(parents=True, exist_ok=True)
-    if outcome.best is None:  # an earlier run's recommendation must not outlive this report
-        (spec.out_dir / "best.yaml").unlink(missing_ok=True)
+    for name in ("best.yaml", "recheck.csv"):  # an earlier run's must not outlive this report
+        if name not in files:
+            (spec.out_dir / name).unlink(missing_ok=True)
     paths = []
     for name, text in files.items():
         path = spec.out_dir / name
@@ -132,6 +139,14 @@ def trials_csv(spec: TuneSpec, rows: Sequence[TrialRow]) -> str:
     return out.getvalue()
 
 
+def recheck_csv(spec: TuneSpec, outcome: StudyOutcome) -> str:
+    assert outcome.recheck is not None
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(
+        recheck_table.csv_rows(outcome.recheck, list(spec.space)))
+    return out.getvalue()
+
+
 def _cell(value: Any) -> str:
     if isinstance(value, list):
         return "..".join(_cell(v) for v in value)
@@ -153,6 +168,7 @@ def report_md(spec: TuneSpec, outcome: StudyOutcome, top: int = 10) -> str:
              + (f", re-run after a worker stopped: {len(retried)}" if retried else ""), ""]
     lines += _comparison(spec, outcome)
     lines += _robustness_md(spec, outcome)
+    lines += _recheck_md(spec, outcome)
     if spec.multi_objective and outcome.front:
         lines += ["", f"## Pareto front ({len(outcome.front)} trials: output tokens/s against "
                   "p99 TTFT, both SLOs met)", ""]
@@ -247,6 +263,31 @@ def _robustness_md(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
         for label, why in chosen.missed.items():
             lines.append(f"- on {label} it missed the SLOs: {why}")
     return lines
+
+
+RECHECK_TITLE = "Re-check on the captured traffic: live shadow, replay and sim"
+
+
+def _recheck_md(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
+    recheck = outcome.recheck
+    if recheck is None:
+        return []
+    lines = ["", f"## {RECHECK_TITLE}", ""]
+    if recheck.rows:
+        knobs = list(spec.space)
+        lines += _markdown([recheck_table.header(knobs), *recheck_table.cells(recheck, knobs)])
+        lines.append("")
+    notes = recheck_table.notes(recheck)
+    return lines + ([notes[0]] + [f"- {line}" for line in notes[1:]] if notes else [])
+
+
+def _recheck_html(spec: TuneSpec, outcome: StudyOutcome) -> str:
+    recheck = outcome.recheck
+    assert recheck is not None
+    knobs = list(spec.space)
+    table = (html.table_html(recheck_table.header(knobs), recheck_table.cells(recheck, knobs))
+             if recheck.rows else "")
+    return table + html.list_html(recheck_table.notes(recheck))
 
 
 def _table(spec: TuneSpec, rows: Sequence[TrialRow], names: Sequence[str] = ()) -> list[str]:
@@ -345,6 +386,8 @@ def report_html(spec: TuneSpec, outcome: StudyOutcome, study: optuna.Study | Non
                                                                 else "") for v in labels),
                               f"{r.worst:.4g} {unit}", f"{r.moved:+.1%}"]
                              for r in outcome.robustness])))
+    if outcome.recheck is not None:
+        sections.append((RECHECK_TITLE, _recheck_html(spec, outcome)))
     feasible = sorted((r for r in rows if r.feasible), key=lambda r: -(r.value or 0))
     sections.append((f"Top {min(10, len(feasible))} feasible trials",
                      _html_table(spec, feasible[:10])))

@@ -101,6 +101,13 @@ def _load_cached(path: str, _mtime_ns: int, fmt: str) -> tuple[TraceRequest, ...
     return tuple(_rebase(requests))
 
 
+def parse_fairgate_trace(text: str, source: str) -> list[TraceRequest]:
+    """A fairgate trace handed over as text (a gateway's `GET /admin/capture`), rebased and
+    sorted as `load_trace` does; empty when it holds no requests. Errors name `source`."""
+    requests = list(_read_fairgate(Path(source), text.splitlines()))
+    return _rebase(requests) if requests else []
+
+
 def detect_format(path: Path) -> str:
     """Azure by CSV header, Mooncake by `input_length`, fairgate by `prompt_tokens`."""
     try:

@@ -84,3 +84,82 @@ def test_the_tuner_replays_a_capture(tmp_path: Path) -> None:
                  "--slo-itl-p99", "0.1", "--trials", "1", "--robustness", "0", "--storage",
                  f"sqlite:///{tmp_path / 's.db'}", "--out", str(tmp_path / "out")]) == 0
     assert "(30 requests over 2.9 s)" in (tmp_path / "out" / "report.md").read_text()
+
+
+# ---- GET /admin/capture: a span of the capture as a trace ------------------------------------
+ADMIN = {"Authorization": "Bearer admin-key-0123456789"}
+
+
+def _line(arrival: float, prompt_tokens: int) -> str:
+    return (f'{{"arrival":{arrival},"tenant":"acme","priority":"interactive","prompt_tokens":'
+            f'{prompt_tokens},"output_tokens":4,"max_tokens":4,"prefix_hashes":[1],'
+            '"block_tokens":512}\n')
+
+
+async def _trace(h: Any, tmp_path: Path, query: str) -> list[Any]:
+    resp = await h.client.get(f"/admin/capture?{query}", headers=ADMIN)
+    assert resp.status == 200, await resp.text()
+    assert resp.content_type == "application/x-ndjson"
+    text = await resp.text()
+    if not text:
+        return []
+    out = tmp_path / "window.jsonl"
+    out.write_text(text)
+    return load_trace(out)
+
+
+async def test_the_capture_of_a_span_comes_from_the_current_and_the_rotated_files(
+        aiohttp_client: Any, db_url: str, tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    # a rotated file in the older header (its epoch from the UTC stamp: 1000), and the current
+    # file as an earlier gateway left it (epoch 2000); prompt_tokens tell the lines apart
+    (tmp_path / "c-19700101T001640Z.jsonl").write_text(
+        "# fairgate trace captured from 1970-01-01T00:16:40Z; arrivals in seconds since then\n"
+        + _line(0.0, 10) + _line(1.0, 11) + _line(2.0, 12))
+    path.write_text("# fairgate trace captured from 1970-01-01T00:33:20Z; arrivals in seconds "
+                    "since then (epoch 2000.000000)\n" + _line(0.5, 20) + _line(1.5, 21))
+    h = await start_gateway(aiohttp_client, db_url, engine=ENGINE,
+                            gateway={"capture": {"path": str(path)}})
+    served_after = time.time()
+    assert (await h.post("acme", {"prompt": "hi", "max_tokens": 2})).status == 200
+    # not flushed here: the endpoint writes what is buffered before it reads
+
+    span = await _trace(h, tmp_path, "since=1001&until=2001")
+    assert [r.prompt_tokens for r in span] == [11, 12, 20]
+    assert [r.arrival for r in span] == pytest.approx([0.0, 1.0, 999.5])  # rebased to 0
+
+    recent = await _trace(h, tmp_path, f"since={served_after - 1:.3f}")
+    assert len(recent) == 1 and recent[0].output_tokens == 2  # the request served just now
+
+    last_two = await _trace(h, tmp_path, "limit=2")
+    assert [r.prompt_tokens for r in last_two][0] == 21 and len(last_two) == 2
+    assert await _trace(h, tmp_path, "since=3000&until=3001") == []  # none: an empty answer
+    assert (await h.gateway.capture.window(0, 3000, None)).count("\n") == 6  # header + 5
+
+
+async def _error(h: Any, query: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    resp = await h.client.get(f"/admin/capture{query}", headers=ADMIN if headers is None
+                              else headers)
+    return resp.status, (await resp.json())["error"]
+
+
+async def test_the_capture_endpoint_wants_the_admin_key_and_good_params(
+        aiohttp_client: Any, db_url: str, tmp_path: Path) -> None:
+    h = await start_gateway(aiohttp_client, db_url, engine=ENGINE,
+                            gateway={"capture": {"path": str(tmp_path / "c.jsonl")}})
+    assert (await _error(h, "", h.auth("acme")))[0] == 401  # a tenant's key is not the admin's
+    assert (await _error(h, "", {}))[0] == 401
+    for query, param in (("?since=yesterday", "since"), ("?until=nan", "until"),
+                         ("?since=-1", "since"), ("?since=10&until=5", "until"),
+                         ("?limit=0", "limit"), ("?limit=2.5", "limit")):
+        status, error = await _error(h, query)
+        assert (status, error["param"]) == (400, param), (query, error)
+        assert "\n" not in error["message"]
+
+
+async def test_without_a_capture_the_endpoint_says_how_to_turn_it_on(
+        aiohttp_client: Any, db_url: str) -> None:
+    h = await start_gateway(aiohttp_client, db_url, engine=ENGINE)
+    status, error = await _error(h, "?since=0")
+    assert status == 404 and error["code"] == "no_capture"
+    assert "gateway.capture" in error["message"]

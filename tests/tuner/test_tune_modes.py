@@ -168,6 +168,7 @@ def test_launch_command_that_exits_is_an_infeasible_trial(
     (["--mode", "replay", "--url", f"http://127.0.0.1:{free_port()}"], "cannot reach --url"),
     (["--mode", "sim", "--url", "http://127.0.0.1:1"], "--url is for --mode replay"),
     (["--mode", "launch", "--command", "x {port}", "--launch-timeout", "0"], "--launch-timeout"),
+    (["--mode", "sim", "--recheck", "2"], "--recheck re-checks a shadow study"),
 ])
 def test_bad_mode_options_are_one_line_and_exit_2(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str],
