@@ -71,6 +71,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (its main thread's: where the gateway starts its sender)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 @dataclass
 class Segment:
     """One measured stretch of one configuration: what the shadow and each process did."""
@@ -112,9 +120,9 @@ class Rig:
             await self.admin("DELETE", f"/admin/shadow/{SHADOW}")
 
     async def drained(self, timeout: float = 30) -> dict[str, int]:
-        """Wait until no copy is queued or in flight; the counters then (zeros when off)."""
+        """Wait until every copy was answered; the counters then (zeros when off)."""
         deadline = time.monotonic() + timeout
-        while (m := await self.mirror()) is not None and (m["queued"] or m["inflight"]):
+        while (m := await self.mirror()) is not None and m["outstanding"]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the shadow did not drain in {timeout:g} s: {m}")
             await asyncio.sleep(0.05)
@@ -124,10 +132,14 @@ class Rig:
         """Switch to `label`, warm, then measure `requests` with every copy read to its end."""
         await self.switch(label == ON)
         await measure(self.url, self.key, requests[:100], MODEL, **options)  # new pool warm
-        before, cpu0 = await self.drained(), {n: cpu_seconds(p) for n, p in self.pids.items()}
+        pids = dict(self.pids)
+        senders = children(self.pids["gateway"])  # the shadow sender process, when on
+        if senders:
+            pids["sender"] = senders[0]
+        before, cpu0 = await self.drained(), {n: cpu_seconds(p) for n, p in pids.items()}
         report = await measure(self.url, self.key, requests, MODEL, **options)
         after = await self.drained()
-        cpu = {n: cpu_seconds(p) - cpu0[n] for n, p in self.pids.items()}
+        cpu = {n: cpu_seconds(p) - cpu0[n] for n, p in pids.items()}
         rate = 0.0 if report.failed else report.total.request_throughput
         return Segment(label, report.results, rate,
                        {k: after[k] - before[k] for k in COUNTERS}, cpu)
@@ -150,17 +162,24 @@ def shadow_line(segments: list[Segment]) -> str:
             f"dropped {totals['dropped']}, failed {totals['failed']}")
 
 
-def cpu_line(segments: dict[str, list[Segment]]) -> str:
-    """Gateway CPU per live request off and on, and the shadow server's CPU per copy."""
-    def per_request(label: str, name: str) -> float:
-        done = sum(len(s.results) for s in segments[label])
-        return 1e6 * sum(s.cpu[name] for s in segments[label]) / max(done, 1)
+def gateway_cpu(segments: dict[str, list[Segment]], label: str) -> float:
+    """The gateway process's CPU per live request (us), its sender process not included."""
+    done = sum(len(s.results) for s in segments[label])
+    return 1e6 * sum(s.cpu["gateway"] for s in segments[label]) / max(done, 1)
 
+
+def cpu_line(segments: dict[str, list[Segment]]) -> str:
+    """Gateway CPU per live request off and on; the sender's and the shadow server's per copy."""
     sent = sum(s.shadow["sent"] for s in segments[ON])
-    shadow_us = 1e6 * sum(s.cpu["shadow"] for s in segments[ON]) / max(sent, 1)
-    return (f"gateway CPU per live request: off {per_request(OFF, 'gateway'):.0f} us, on "
-            f"{per_request(ON, 'gateway'):.0f} us; shadow server {shadow_us:.0f} us per copy "
-            f"(same cores: it competes with the gateway and the engine here)")
+
+    def per_copy(name: str) -> float:
+        return 1e6 * sum(s.cpu.get(name, 0.0) for s in segments[ON]) / max(sent, 1)
+
+    off, on = gateway_cpu(segments, OFF), gateway_cpu(segments, ON)
+    return (f"gateway process CPU per live request: off {off:.0f} us, on {on:.0f} us "
+            f"(+{on - off:.0f} us, {on / off:.3f}x); per copy: sender process "
+            f"{per_copy('sender'):.0f} us, shadow server {per_copy('shadow'):.0f} us (both on "
+            f"the same cores as the gateway and the engine here)")
 
 
 async def latency(rig: Rig, args: argparse.Namespace) -> dict[str, float]:
@@ -213,6 +232,10 @@ async def throughput(rig: Rig, args: argparse.Namespace) -> float:
     print(shadow_line(segments[ON]))
     print(cpu_line(segments))
     print(f"goal on / off >= {GOAL_RATIO}: {verdict(ratio >= GOAL_RATIO)}")
+    capacity = gateway_cpu(segments, OFF) / gateway_cpu(segments, ON)
+    print(f"the gateway process's own capacity, on / off (CPU per live request, off / on): "
+          f"{capacity:.3f} (what the ratio is where the copies' sender and the shadow engine "
+          f"do not share the gateway's cores)")
     return ratio
 
 
