@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy import select, text
 
 from tenants import (
@@ -18,19 +19,65 @@ from tenants import (
     TenantStore,
     hash_key,
 )
+from tenants.db import Database
+from tenants.migrate import migrate
 from tenants.models import ApiKeyRow, Base
 
 
 async def test_init_is_idempotent_and_schema_matches_models(store: TenantStore) -> None:
     await store.init()  # second run: already at head
     async with store.db.engine.connect() as conn:
-        version = (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar()
+        version = (await conn.execute(text("SELECT version_num FROM fg_alembic_version"))
+                   ).scalar()
 
         def diff(sync_conn: object) -> list[object]:
-            return compare_metadata(MigrationContext.configure(sync_conn), Base.metadata)  # type: ignore[arg-type]
+            context = MigrationContext.configure(sync_conn, opts={  # type: ignore[arg-type]
+                "version_table": "fg_alembic_version"})
+            return compare_metadata(context, Base.metadata)
 
         assert await conn.run_sync(diff) == []  # migrations create exactly the models' tables
-    assert version == "0002"  # the newest migration
+    assert version == "0003"  # the newest migration
+
+
+async def test_a_database_versioned_in_alembic_version_is_adopted_and_optuna_shares_it(
+        tmp_path: Path) -> None:
+    """Until 0003 our revision lived in `alembic_version`, the table Optuna keeps its own schema
+    version in: an old database moves ours out on init, and then an Optuna study opens in the
+    same database (tune jobs keep their studies beside the jobs table)."""
+    import optuna
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'old.db'}"
+    await migrate(url, "0002")
+    db = Database(url)
+    try:
+        async with db.engine.begin() as conn:  # how 0002 left it, before version_table moved
+            await conn.execute(text("DROP TABLE fg_alembic_version"))
+            await conn.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32) "
+                                    "NOT NULL PRIMARY KEY)"))
+            await conn.execute(text("INSERT INTO alembic_version VALUES ('0002')"))
+    finally:
+        await db.dispose()
+    store = TenantStore(url)
+    try:
+        await store.init()
+        await store.create_tenant("acme")
+        async with store.db.engine.connect() as conn:
+            version = (await conn.execute(text("SELECT version_num FROM fg_alembic_version"))
+                       ).scalar()
+            tables = await conn.run_sync(lambda c: set(sa_inspect(c).get_table_names()))
+    finally:
+        await store.close()
+    assert version == "0003" and "alembic_version" not in tables and "fg_tune_jobs" in tables
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'old.db'}")
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    store = TenantStore(url)
+    try:
+        await store.init()  # Optuna's alembic_version is left alone
+        assert [t.name for t in await store.list_tenants()] == ["acme"]
+    finally:
+        await store.close()
+    assert len(optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'old.db'}")
+               .trials) == 2
 
 
 async def test_init_from_two_stores_at_once(database_url: str) -> None:
