@@ -77,6 +77,7 @@ def make_app(engine: AsyncEngine, *, metrics_compat: str | None = None,
     app.router.add_get("/load", load)
     app.router.add_get("/stats", stats)
     app.router.add_post("/admin/reconfigure", reconfigure)
+    app.router.add_get("/admin/config", current_config)
     app.router.add_get("/metrics", metrics)
     return app
 
@@ -253,6 +254,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 # ---- reconfiguration -------------------------------------------------------------------------
+async def current_config(request: web.Request) -> web.Response:
+    """The configuration the engine runs under now (what a reconfigure would go back to)."""
+    engine = request.app[ENGINE_KEY]
+    return web.json_response({"config": engine.config.to_dict(),
+                              "reconfiguring": engine.load()["reconfiguring"]})
+
+
 async def reconfigure(request: web.Request) -> web.Response:
     """Body: {"changes": {knob: value}, "abort_running": false, "drain_timeout": null}, or the
     knobs at the top level. Answers when the engine runs under the new configuration."""

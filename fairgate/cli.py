@@ -10,7 +10,11 @@ Before anything else, `fairgate.guard` checks that fairgate's import names are f
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import importlib
+import os
+import signal
 import sys
 
 from fairgate import guard
@@ -24,6 +28,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tuner.bench_cli", "load test an OpenAI-compatible endpoint"),
     "tune": ("fairgate.tune_cli", "search engine knobs with Optuna against p99 SLOs "
              "(`fairgate tune calibrate`: fit the simulator's step times to the real engine)"),
+    "jobs": ("fairgate.jobs_cli", "tuning jobs through a gateway's admin API: create, list, "
+             "show, cancel, resume, apply"),
 }
 # (command, subcommand) -> (module, one-line help)
 NESTED: dict[tuple[str, str], tuple[str, str]] = {
@@ -61,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         print(shadowed, file=sys.stderr)
         return 2
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not _die_with_parent():
+        return 1
     nested = _nested(argv)
     if nested is not None:
         name, module_name, help_text, rest = nested
@@ -83,6 +91,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+PARENT_PID_ENV = "FAIRGATE_PARENT_PID"  # set by a gateway for its tune jobs' workers
+
+
+def _die_with_parent() -> bool:
+    """A gateway's tune job worker (FAIRGATE_PARENT_PID set) is killed when the gateway dies
+    (Linux's PR_SET_PDEATHSIG), so a restarted gateway never resumes a study an orphan still
+    runs; False when the gateway is already gone. Set here, in the worker itself, not between
+    fork and exec in the gateway, which has threads."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)  # not for the worker's own children
+    if not parent:
+        return True
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    return str(os.getppid()) == parent
 
 
 if __name__ == "__main__":

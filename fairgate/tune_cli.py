@@ -63,6 +63,9 @@ from tuner.study import (
 from tuner.traces import TRACE_FORMATS, TraceRequest
 from tuner.workload import WORKLOADS
 
+ADMIN_KEY_ENV = "FAIRGATE_ADMIN_KEY"  # how a tune job's worker gets it: never on a command line
+STORAGE_ENV = "FAIRGATE_TUNE_STORAGE"  # the default --storage (a URL may hold a password)
+
 DEFAULT_TRIALS = 30
 DEFAULT_RECHECK = 3
 # the workload options of `fairgate bench` that tune does not offer, at bench's defaults
@@ -88,7 +91,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", metavar="KEY", help="replay/launch: bearer key for the server")
     parser.add_argument("--gateway", metavar="URL", help="shadow: the gateway whose shadow "
                         "target the trials run on")
-    parser.add_argument("--admin-key", metavar="KEY", help="shadow: the gateway's admin key")
+    parser.add_argument("--admin-key", metavar="KEY", default=os.environ.get(ADMIN_KEY_ENV),
+                        help=f"shadow: the gateway's admin key (default: ${ADMIN_KEY_ENV})")
     parser.add_argument("--shadow", metavar="NAME", help="shadow: the gateway's shadow target "
                         "(a fairgate engine: reconfigured per trial)")
     parser.add_argument("--shadow-requests", type=int, default=RunnerOptions.shadow_requests,
@@ -155,8 +159,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="run trials for S seconds (instead of --trials)")
     parser.add_argument("--study", metavar="NAME", help="study name; an existing one resumes "
                                                         "(default: a new tune-<time> study)")
-    parser.add_argument("--storage", metavar="URL", help="Optuna storage (default: the config's "
-                                                         "database URL)")
+    parser.add_argument("--storage", metavar="URL", help=f"Optuna storage (default: "
+                        f"${STORAGE_ENV}, else the config's database URL)")
     parser.add_argument("--out", metavar="DIR", help="best.yaml, trials.csv, report.md "
                                                      "(default tune-<study>)")
     parser.add_argument("--seed", type=int, default=0, metavar="N",
@@ -195,7 +199,8 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
     trials = None if args.timeout is not None else check_positive_int(
         "--trials", DEFAULT_TRIALS if args.trials is None else args.trials)
     study = args.study or time.strftime("tune-%Y%m%d-%H%M%S")
-    storage = args.storage or database_url(load_config_file(args.config))
+    storage = args.storage or os.environ.get(STORAGE_ENV) or database_url(
+        load_config_file(args.config))
     out_dir = check_out_dir(Path(args.out or study))
     robustness = check_int("--robustness", args.robustness if args.robustness is not None
                            else (2 if mode == "sim" else 0), low=0, high=MAX_VARIANTS)

@@ -15,13 +15,14 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.proxy import read_json
-from gateway.state import AUTH, GATEWAY, STORE
+from gateway.state import AUTH, GATEWAY, JOBS, STORE
 from protocol.errors import ApiError, bad_request
 from tenants import DuplicateTenantError, TenantError, TenantInfo, TenantNotFoundError
 from tenants.values import check_tenant_name, tenant_from_mapping
@@ -291,6 +292,113 @@ def _field_of(message: str) -> str | None:
     return head.rsplit(".", 1)[-1] if "." in head else None
 
 
+# ---- tune jobs (gateway/jobs.py) ---------------------------------------------------------------
+async def _default_slos(request: web.Request) -> tuple[float | None, float | None]:
+    """The strictest p99 TTFT and ITL an enabled tenant sets (a job's SLOs when it names none)."""
+    async with _database():
+        tenants = [t for t in await request.app[STORE].list_tenants() if t.enabled]
+    ttfts = [t.slo_ttft_p99_s for t in tenants if t.slo_ttft_p99_s is not None]
+    itls = [t.slo_itl_p99_s for t in tenants if t.slo_itl_p99_s is not None]
+    return min(ttfts, default=None), min(itls, default=None)
+
+
+def _own_url(request: web.Request) -> str | None:
+    """This gateway's address as the request reached it (a shadow job's worker calls back)."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    if not sockname:
+        return None
+    host, port = sockname[0], sockname[1]
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def create_tune_job(request: web.Request) -> web.Response:
+    """POST /admin/tune-jobs {mode, workload | captured_minutes, space, SLOs, ...}: 201 with
+    the job; a bad spec is a 400 naming its field."""
+    from gateway.jobs import parse_spec
+
+    request.app[AUTH].check_admin(request)
+    body = await read_json(request)
+    jobs = request.app[JOBS]
+    shadows = {name: m.config.url for name, m in request.app[GATEWAY].shadows.mirrors.items()}
+    spec = parse_spec(body, shadows, await _default_slos(request))
+    jobs.gateway_url = jobs.gateway_url or _own_url(request)
+    async with _database():
+        job = await jobs.submit(spec)
+    return web.json_response(await jobs.describe(job, detail=False), status=201)
+
+
+async def list_tune_jobs(request: web.Request) -> web.Response:
+    request.app[AUTH].check_admin(request)
+    jobs = request.app[JOBS]
+    async with _database():
+        records = await jobs.store.jobs()
+    return web.json_response({"jobs": [await jobs.describe(j, detail=False) for j in records]})
+
+
+async def show_tune_job(request: web.Request) -> web.Response:
+    request.app[AUTH].check_admin(request)
+    jobs = request.app[JOBS]
+    async with _database():
+        job = await jobs._job(request.match_info["id"])
+    return web.json_response(await jobs.describe(job))
+
+
+async def cancel_tune_job(request: web.Request) -> web.Response:
+    """DELETE /admin/tune-jobs/{id}: a queued job is dropped; a running one's trial is stopped
+    and its engine put back on the knobs it had before the job."""
+    request.app[AUTH].check_admin(request)
+    jobs = request.app[JOBS]
+    try:
+        job = await jobs.cancel(request.match_info["id"])
+    except (SQLAlchemyError, OSError) as exc:
+        raise ApiError(503, f"the database is unavailable ({type(exc).__name__}); try again "
+                       "shortly", code="database_unavailable", retry_after=_RETRY_AFTER_S) from None
+    return web.json_response(await jobs.describe(job, detail=False))
+
+
+async def resume_tune_job(request: web.Request) -> web.Response:
+    """POST /admin/tune-jobs/{id}/resume: an interrupted (or failed, or cancelled) job queued
+    again; its study keeps every finished trial."""
+    request.app[AUTH].check_admin(request)
+    jobs = request.app[JOBS]
+    async with _database():
+        job = await jobs.resume(request.match_info["id"])
+    return web.json_response(await jobs.describe(job, detail=False))
+
+
+async def apply_tune_job(request: web.Request) -> web.Response:
+    """POST /admin/tune-jobs/{id}/apply {backend, canary_window_s, min_requests}: the job's best
+    config onto one replica as a canary, then promoted or rolled back (202: it runs on; the
+    job's `apply` shows each step)."""
+    request.app[AUTH].check_admin(request)
+    body = await read_json(request)
+    jobs = request.app[JOBS]
+    async with _database():
+        record = await jobs.apply(request.match_info["id"], body, request.app[GATEWAY])
+    return web.json_response(record, status=202)
+
+
+async def tune_job_file(request: web.Request) -> web.StreamResponse:
+    """GET /admin/tune-jobs/{id}/files/{name}: the report, best.yaml, trials.csv, the log."""
+    from gateway.jobs import JOB_FILES
+
+    request.app[AUTH].check_admin(request)
+    name = request.match_info["name"]
+    if name not in JOB_FILES:
+        raise ApiError(404, f"a job's files are {', '.join(JOB_FILES)}", code="file_not_found")
+    async with _database():
+        job = await request.app[JOBS]._job(request.match_info["id"])
+    path = Path(job.out_dir) / name
+    if not await asyncio.to_thread(path.is_file):
+        raise ApiError(404, f"job {job.id} has no {name} (yet)", code="file_not_found")
+    types = {".html": "text/html", ".md": "text/markdown", ".yaml": "application/yaml",
+             ".csv": "text/csv", ".log": "text/plain"}
+    return web.FileResponse(path, headers={  # streamed: a worker's log may be long
+        "Content-Type": f"{types[path.suffix]}; charset=utf-8"})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/usage", usage)
@@ -305,3 +413,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_delete("/admin/shadow/{name}", delete_shadow)
     app.router.add_get("/admin/shadow/{name}/stats", shadow_stats)
     app.router.add_get("/admin/capture", capture_window)
+    app.router.add_post("/admin/tune-jobs", create_tune_job)
+    app.router.add_get("/admin/tune-jobs", list_tune_jobs)
+    app.router.add_get("/admin/tune-jobs/{id}", show_tune_job)
+    app.router.add_delete("/admin/tune-jobs/{id}", cancel_tune_job)
+    app.router.add_post("/admin/tune-jobs/{id}/resume", resume_tune_job)
+    app.router.add_post("/admin/tune-jobs/{id}/apply", apply_tune_job)
+    app.router.add_get("/admin/tune-jobs/{id}/files/{name}", tune_job_file)

@@ -25,12 +25,14 @@ from gateway.auth import Authenticator, bearer
 from gateway.backends import Backend, BackendPool, EmbeddedBackend, RemoteBackend
 from gateway.config import GatewayConfig
 from gateway.dispatch import tick
+from gateway.jobs import JobManager
 from gateway.metrics import GatewayMetrics
 from gateway.service import Gateway
-from gateway.state import AUTH, GATEWAY, METRICS, SETTINGS, STORE
+from gateway.state import AUTH, GATEWAY, JOBS, METRICS, SETTINGS, STORE
 from protocol.errors import ApiError
 from protocol.http import error_middleware
 from tenants import DEFAULT_DATABASE_URL, TenantStore, UsageLedger
+from tenants.jobs import JobStore
 
 log = logging.getLogger("fairgate.gateway")
 SECRET_ENV = "FAIRGATE_KEY_SECRET"  # the same variable the tenants CLI reads
@@ -64,7 +66,12 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
                               failures_per_s=settings.auth_failures_per_s,
                               failure_burst=settings.auth_failure_burst)
     _read_at_scrape(metrics, gw, app[AUTH])
-    app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker, _shadows])
+    app[JOBS] = JobManager(JobStore(store.db), settings.jobs.storage or database,
+                           Path(settings.jobs.dir), settings.jobs.max_running,
+                           settings.admin_key,
+                           None if gw.capture is None else gw.capture.window)
+    app[JOBS].pool = pool
+    app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker, _shadows, _jobs])
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     admin.add_routes(app)
@@ -174,6 +181,16 @@ async def _shadows(app: web.Application) -> AsyncIterator[None]:
         await gw.shadows.close()
         if gw.capture is not None:
             await gw.capture.close()
+
+
+async def _jobs(app: web.Application) -> AsyncIterator[None]:
+    """Tune jobs: started last (a job's worker may call this gateway's admin API), stopped
+    first; their workers stop with the gateway and their jobs resume as `interrupted`."""
+    await app[JOBS].start()
+    try:
+        yield
+    finally:
+        await app[JOBS].close()
 
 
 # ---- metrics: per-tenant series, so never where tenants can read them -----------------------

@@ -533,6 +533,10 @@ class BackendPool:
             raise ValueError("at least one backend is needed")
         self.backends = backends
         self.headroom = headroom
+        self.draining: set[str] = set()  # by name: no new dispatch (a reconfigure, a rollout)
+
+    def by_name(self, name: str) -> Backend | None:
+        return next((b for b in self.backends if b.name == name), None)
 
     @property
     def primary(self) -> Backend:
@@ -562,6 +566,8 @@ class BackendPool:
         best: Backend | None = None
         for b in self.backends:
             if not b.has_room() or (keep_headroom and b.inflight >= b.seats() - self.reserved(b)):
+                continue
+            if self.draining and b.name in self.draining:
                 continue
             if best is None or b.inflight / b.capacity() < best.inflight / best.capacity():
                 best = b

@@ -159,6 +159,24 @@ class CaptureConfig:
 
 
 @dataclass(frozen=True)
+class JobsConfig:
+    """Tuning jobs (gateway/jobs.py): where their outputs go and how many run at once."""
+
+    dir: str = "fairgate-jobs"  # one folder per job: best.yaml, the reports, the worker's log
+    max_running: int = 1  # jobs running at once, oldest first; 0: this gateway runs none
+    storage: str | None = None  # Optuna's storage; None: the gateway's database
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, str) or not self.dir:
+            raise ValueError("gateway.jobs.dir must be a directory path")
+        check_int("gateway.jobs.max_running", self.max_running, low=0, high=64)
+        if self.storage is not None and (not isinstance(self.storage, str) or "://" not in
+                                         self.storage):
+            raise ValueError("gateway.jobs.storage must be a database URL (sqlite:///jobs.db, "
+                             "postgresql://...)")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -166,6 +184,7 @@ class GatewayConfig:
     backends: tuple[BackendConfig, ...] = ()  # empty: one embedded engine from `engine`
     shadow: tuple[ShadowConfig, ...] = ()  # candidate engines that receive copies of live traffic
     capture: CaptureConfig | None = None  # live traffic written as a fairgate trace
+    jobs: JobsConfig = JobsConfig()  # tuning jobs through /admin/tune-jobs
     dispatch: str = "fair"  # fair (priority class, then weighted VTC) | fcfs (the baseline)
     tokenizer: str | None = None  # tokenizer.json for counting prompts sent to remote backends
     max_body_bytes: int = 1 << 20
@@ -252,6 +271,11 @@ class GatewayConfig:
             if not isinstance(capture, dict):
                 raise ValueError("gateway.capture must be a mapping {path, sample, rotate_mb}")
             values["capture"] = from_mapping(CaptureConfig, capture, "gateway.capture")
+        jobs = values.get("jobs")
+        if jobs is not None:
+            if not isinstance(jobs, dict):
+                raise ValueError("gateway.jobs must be a mapping {dir, max_running, storage}")
+            values["jobs"] = from_mapping(JobsConfig, jobs, "gateway.jobs")
         names = [s.name for s in values["shadow"]]
         if len(set(names)) != len(names):
             raise ValueError(f"gateway.shadow names must be unique, got {names}")

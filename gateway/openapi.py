@@ -19,6 +19,7 @@ from aiohttp import web
 
 from gateway.admin import CAPTURE_MEDIA_TYPE, MAX_CAPTURE_LIMIT
 from gateway.config import BACKEND_KINDS, SHADOW_NAME_PATTERN, SHADOW_URL_PATTERN
+from gateway.jobs import JOB_FILES, JOB_ID_PATTERN, MAX_TRIALS, MODES, OBJECTIVES
 from protocol import openapi as protocol_schemas
 from protocol.openapi import Schema, nullable
 from protocol.priority import PRIORITIES
@@ -139,6 +140,58 @@ GATEWAY_SCHEMAS: dict[str, Schema] = {
                                    "shadow": {"type": "object"},
                                    "ratio": {"type": "object"},
                                    "p99_difference": {"type": "object"}}},
+    "TuneJobSpec": {
+        "type": "object", "required": ["mode"], "additionalProperties": False,
+        "description": "The fields of `fairgate tune` (README: Tuning). SLOs default to the "
+                       "strictest an enabled tenant sets; trials to 20.",
+        "properties": {
+            "mode": {"enum": list(MODES)}, "objective": {"enum": list(OBJECTIVES)},
+            "workload": STRING,
+            "captured_minutes": {"type": "number", "exclusiveMinimum": 0, "maximum": 10080,
+                                 "description": "The last N minutes of captured traffic."},
+            "rate": {"type": "number", "exclusiveMinimum": 0},
+            "duration": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400},
+            "set": {"type": "object", "description": "Base engine knobs."},
+            "space": {"type": "object", "description": "{knob: {low, high, log?, step?} | "
+                                                       "{choices: [...]}}"},
+            "slo_ttft_p99_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
+            "slo_itl_p99_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
+            "trials": {"type": "integer", "minimum": 1, "maximum": MAX_TRIALS},
+            "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 2592000},
+            "target": {**STRING, "description": "replay: the fairgate engine's URL."},
+            "shadow": {**STRING, "description": "shadow: the gateway's shadow target."},
+            "shadow_requests": {"type": "integer", "minimum": 1, "maximum": 1000000},
+            "shadow_window_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400},
+            "recheck": {"type": "integer", "minimum": 0, "maximum": 1000000},
+            "seed": {"type": "integer", "minimum": 0, "maximum": 1000000},
+            "heartbeat_s": {"type": "integer", "minimum": 1, "maximum": 1000000},
+            "robustness": {"type": "integer", "minimum": 0, "maximum": 1000000},
+            "baseline": {"const": "vllm-grid"}}},
+    "TuneJob": {"type": "object", "required": ["id", "state", "spec", "progress"],
+                "description": "A job: its state, progress (trials done of planned, elapsed, "
+                               "estimate left), best trial so far, links to its files, the "
+                               "apply's steps, and (one job) every trial.",
+                "properties": {"id": STRING, "state": {"enum": [
+                    "queued", "running", "succeeded", "failed", "cancelled", "interrupted"]},
+                    "spec": {"type": "object"}, "progress": {"type": "object"},
+                    "best": nullable({"type": "object"}), "apply": nullable({"type": "object"}),
+                    "links": {"type": "object"}, "trials": {"type": "array"}}},
+    "TuneJobList": _object(jobs={"type": "array", "items": {"$ref": "#/components/schemas/TuneJob"}}),
+    "TuneApply": {"type": "object", "required": ["backend"], "additionalProperties": False,
+                  "properties": {"backend": {**STRING, "description": "The replica to try the "
+                                             "config on first (its URL)."},
+                                 "canary_window_s": {"type": "number", "exclusiveMinimum": 0,
+                                                     "maximum": 86400},
+                                 "min_requests": {"type": "integer", "minimum": 1,
+                                                  "maximum": 1000000},
+                                 "max_wait_s": {"type": "number", "exclusiveMinimum": 0,
+                                                "maximum": 604800}}},
+    "TuneApplyRecord": {"type": "object", "required": ["state", "backend", "steps"],
+                        "properties": {"state": {"enum": [
+                            "applying", "canary", "promoting", "promoted", "rolling_back",
+                            "rolled_back", "failed"]}, "backend": STRING,
+                            "config": {"type": "object"}, "previous": {"type": "object"},
+                            "steps": {"type": "array"}}},
     "Deleted": _object(deleted=STRING),
     "Health": _object(status={"const": "ok"}),
     "Ready": {"type": "object", "required": ["ready"],
@@ -155,7 +208,8 @@ ERRORS: dict[int, str] = {
     403: "The key's tenant may not do this (a priority it is not allowed).",
     404: "Not found: the model, the tenant, or an API this gateway has turned off.",
     408: "The request body did not arrive within gateway.client_timeout_s.",
-    409: "A tenant of that name exists already.",
+    409: "A conflict: a tenant of that name exists already, or a tune job is not in a state "
+         "for this, or its engine is busy with another.",
     413: "The request body is larger than gateway.max_body_bytes.",
     429: "Over the tenant's rate limit or queue bounds, larger than its budget, or too many "
          "invalid keys from this address; Retry-After says when to try again.",
@@ -208,6 +262,8 @@ _WINDOW = {"name": "window_s", "in": "query", "required": False,
            "schema": {"type": "number", "exclusiveMinimum": 0}}
 _TENANT = {"name": "name", "in": "path", "required": True, "schema": TENANT_NAME}
 _SHADOW = {"name": "name", "in": "path", "required": True, "schema": SHADOW_NAME}
+_JOB = {"name": "id", "in": "path", "required": True,
+        "schema": {"type": "string", "pattern": JOB_ID_PATTERN}}
 
 
 def _epoch_param(name: str, description: str) -> Schema:
@@ -272,6 +328,32 @@ ROUTES = (
                        "description": "Only the most recent N requests of the span.",
                        "schema": {"type": "integer", "minimum": 1,
                                   "maximum": MAX_CAPTURE_LIMIT}})),
+    Route("post", "/admin/tune-jobs", "Start a tuning job (queued behind the running ones).",
+          {201: _json("TuneJob", "Queued.")}, (400, 401, 404, 408, 409, 413, 503), "adminKey",
+          "TuneJobSpec"),
+    Route("get", "/admin/tune-jobs", "Every tuning job.", {200: _json("TuneJobList", "Jobs.")},
+          (401, 404, 503), "adminKey"),
+    Route("get", "/admin/tune-jobs/{id}", "A job with its trials.",
+          {200: _json("TuneJob", "The job.")}, (401, 404, 503), "adminKey",
+          parameters=(_JOB,)),
+    Route("delete", "/admin/tune-jobs/{id}", "Cancel a job: its running trial stops and its "
+          "engine goes back to its knobs.", {200: _json("TuneJob", "Cancelled.")},
+          (401, 404, 409, 503), "adminKey", parameters=(_JOB,)),
+    Route("post", "/admin/tune-jobs/{id}/resume", "Queue an interrupted, failed or cancelled "
+          "job again; its study keeps every finished trial.",
+          {200: _json("TuneJob", "Queued.")}, (401, 404, 409, 503), "adminKey",
+          parameters=(_JOB,)),
+    Route("post", "/admin/tune-jobs/{id}/apply", "Apply the job's best config to one replica "
+          "as a canary, then promote it or roll it back on live SLOs.",
+          {202: _json("TuneApplyRecord", "Started; the job's `apply` shows each step.")},
+          (400, 401, 404, 408, 409, 413, 503), "adminKey", "TuneApply", parameters=(_JOB,)),
+    Route("get", "/admin/tune-jobs/{id}/files/{name}", "One of a job's files.",
+          {200: {"description": "The file.", "content": {
+              t: {"schema": STRING} for t in ("text/html", "text/markdown", "application/yaml",
+                                               "text/csv", "text/plain")}}},
+          (401, 404, 503), "adminKey",
+          parameters=(_JOB, {"name": "name", "in": "path", "required": True,
+                             "schema": {"enum": list(JOB_FILES)}})),
     Route("get", "/health", "Liveness (the path vLLM and SGLang serve).",
           {200: _json("Health", "Alive.")}),
     Route("get", "/healthz", "Liveness.", {200: _json("Health", "Alive.")}),

@@ -26,6 +26,7 @@ from gateway.admission import (
     estimate_cost,
 )
 from gateway.backends import Backend, BackendPool, Job, Outcome
+from gateway.canary import ServedWindow
 from gateway.capture import TraceCapture
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
@@ -95,6 +96,7 @@ class Gateway:
                  metrics: GatewayMetrics) -> None:
         self.config = config
         self.shadows = ShadowSet(config.shadow, metrics)
+        self.served = ServedWindow()  # live requests by backend: what a canary is judged on
         self.capture = None if config.capture is None else TraceCapture(config.capture)
         self.pool = pool
         self.ledger = ledger
@@ -216,6 +218,10 @@ class Gateway:
             if status == 200 and out.finish_reason is not None:
                 self.estimator.observe(adm.tenant.name, out.completion_tokens)
         timing = adm.timing(status)
+        if adm.backend is not None:
+            tenant = adm.tenant
+            self.served.record(adm.backend.name, tenant.name,
+                               SLO(tenant.slo_ttft_p99_s, tenant.slo_itl_p99_s), timing)
         if self.shadows:
             self.shadows.live_done(adm.job.request_id, timing)
         if self.capture is not None and status == 200:

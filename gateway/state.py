@@ -6,6 +6,7 @@ from aiohttp import web
 
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
+from gateway.jobs import JobManager
 from gateway.metrics import GatewayMetrics
 from gateway.service import Gateway
 from tenants import TenantStore
@@ -15,3 +16,4 @@ GATEWAY = web.AppKey("gateway", Gateway)
 AUTH = web.AppKey("gateway_auth", Authenticator)
 METRICS = web.AppKey("gateway_metrics", GatewayMetrics)
 STORE = web.AppKey("tenant_store", TenantStore)
+JOBS = web.AppKey("tune_jobs", JobManager)

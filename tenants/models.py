@@ -33,7 +33,7 @@ class TenantRow(Base):
     slo_itl_p99_s: Mapped[float | None] = mapped_column(Float)
     enabled: Mapped[bool] = mapped_column(Boolean, nullable=False)
     created_at: Mapped[float] = mapped_column(Float, nullable=False)
-    updated_at: Mapped[float] = mapped_column(Float, nullable=False)
+    updated_at: Mapped[float] = mapped_column(Float, nullable=False)  # its owner's lease, too
 
 
 class ApiKeyRow(Base):
@@ -83,3 +83,26 @@ class UsageDeadLetterRow(Base):
     row_json: Mapped[str] = mapped_column(Text, nullable=False)
     reason: Mapped[str] = mapped_column(String(512), nullable=False)
     created_at: Mapped[float] = mapped_column(Float, nullable=False)
+
+
+class TuneJobRow(Base):
+    """A tuning job (gateway/jobs.py): its spec, its state, and what its apply did. The study
+    itself is Optuna's, in its own tables (named `study`), beside this one."""
+
+    __tablename__ = "fg_tune_jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    spec_json: Mapped[str] = mapped_column(Text, nullable=False)  # as the client sent it, checked
+    state: Mapped[str] = mapped_column(String(16), nullable=False, index=True)
+    target: Mapped[str | None] = mapped_column(String(512))  # the engine it tunes; None: sim
+    study: Mapped[str] = mapped_column(String(128), nullable=False)
+    out_dir: Mapped[str] = mapped_column(String(1024), nullable=False)
+    planned_trials: Mapped[int | None] = mapped_column(Integer)
+    runs: Mapped[int] = mapped_column(Integer, nullable=False)  # worker processes started
+    owner: Mapped[str | None] = mapped_column(String(256))  # host:pid of the gateway running it
+    error: Mapped[str | None] = mapped_column(Text)
+    apply_json: Mapped[str | None] = mapped_column(Text)  # the apply's steps, with their figures
+    created_at: Mapped[float] = mapped_column(Float, nullable=False)
+    started_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float, nullable=False)  # its owner's lease, too

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from engine import EngineConfig
 from gateway.app import make_app
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, JobsConfig
 from gateway.state import GATEWAY
 from tenants import generate_key
 from tests.gateway.helpers import ServerThread, create_tenants
@@ -48,7 +48,10 @@ CONFIG = schemathesis.Config.from_dict({
 # A body the document allows may still be refused: what no document says (the model's context
 # length and vocabulary, a model name this gateway does not serve, min_tokens over max_tokens,
 # a default_priority outside allowed_priorities, a tenant name already taken) is a 400 or 404.
-MAY_REFUSE_VALID = ("POST /v1/completions", "POST /v1/chat/completions", "POST /admin/tenants")
+# A tune job spec may combine fields that do not go together (a workload in shadow mode, trials
+# and timeout_s), name a workload or knob that does not exist, or a job that is not there.
+MAY_REFUSE_VALID = ("POST /v1/completions", "POST /v1/chat/completions", "POST /admin/tenants",
+                    "POST /admin/tune-jobs", "POST /admin/tune-jobs/{id}/apply")
 
 
 @pytest.fixture
@@ -57,7 +60,9 @@ def served(tmp_path: Any) -> Iterator[tuple[ServerThread, str]]:
     usage ledger, on a real port; and the key of its tenant."""
     db_url = f"sqlite+aiosqlite:///{tmp_path / 'schemathesis.db'}"
     keys = asyncio.run(create_tenants(db_url, {"acme": {}}))
-    config = GatewayConfig(demo_tenant=False, admin_key=ADMIN_KEY, metrics_token=METRICS_TOKEN)
+    # jobs are queued, never run here (max_running 0): no study runs beside the generator
+    config = GatewayConfig(demo_tenant=False, admin_key=ADMIN_KEY, metrics_token=METRICS_TOKEN,
+                           jobs=JobsConfig(dir=str(tmp_path / "jobs"), max_running=0))
     with ServerThread(make_app(config, engine=ENGINE, database=db_url)) as server:
         yield server, keys["acme"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -55,6 +56,15 @@ def calibrator() -> Calibrator:
     return calibrator
 
 
+def _least_stretched(calibrator: Calibrator, phase: Phase) -> list[Any]:
+    """The phase run twice, each step's shorter time kept: another job on the machine only
+    ever stretches a step, so the shorter of two is the closer to the engine's own time."""
+    first, second = calibrator.run(phase), calibrator.run(phase)
+    if [f for f, _ in first] != [f for f, _ in second]:
+        return list(first)
+    return [(f, min(a, b)) for (f, a), (_, b) in zip(first, second, strict=True)]
+
+
 def test_the_fit_predicts_held_out_shapes(calibrator: Calibrator) -> None:
     train = [Phase(1, 16), Phase(1, 200), Phase(4, 16), Phase(4, 100), Phase(8, 16),
              Phase(8, 48, staggered=True), Phase(2, 300, 8)]
@@ -63,7 +73,7 @@ def test_the_fit_predicts_held_out_shapes(calibrator: Calibrator) -> None:
     coefficients, quality = fit(samples)
     assert quality["steps"] == len(samples) and np.all(coefficients >= 0)
     profile = known_profile(**dict(zip(FEATURES, coefficients.tolist(), strict=True)))
-    measured = [s for phase in held_out for s in calibrator.run(phase)]
+    measured = [s for phase in held_out for s in _least_stretched(calibrator, phase)]
     # loose on purpose: a loaded CI machine stretches some steps; a wrong model is off by far more
     assert evaluate(profile, measured)["median_rel_error"] < 0.6
 

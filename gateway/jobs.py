@@ -1,0 +1,770 @@
+"""Tuning jobs through the admin API: `fairgate tune` run as a worker process per job, its state
+in the database (`tenants.jobs`, beside Optuna's tables), never on the gateway's event loop.
+
+A job spec has the fields of `fairgate tune` (`parse_spec` checks each and names the one that is
+wrong). The manager runs at most `jobs.max_running` at once, oldest first, never two on one
+engine; each is `python -m fairgate tune ... --study job-ID --storage DB --out DIR` with its log
+in DIR/worker.log. Workers die with the gateway (PR_SET_PDEATHSIG, fairgate/cli.py), so a gateway that starts
+and finds a job `running` knows its worker is gone: the job becomes `interrupted`, and
+`resume` runs the same command again: the study holds every finished trial, and the trial the
+killed worker was running is re-run once with the same knobs (its heartbeat went stale), so
+nothing is lost or repeated.
+
+Progress, the best trial and the trials table are read from the study itself (in a thread),
+so they are the same after a restart as before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import secrets
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import EngineConfig
+from protocol.errors import ApiError, bad_request
+from protocol.openai import server_root
+from tenants.jobs import ACTIVE_STATES, JobRecord, JobStore
+
+log = logging.getLogger("fairgate.gateway")
+MODES = ("sim", "replay", "shadow")  # launch runs a command line: not from an HTTP API
+OBJECTIVES = ("goodput", "capacity", "pareto")
+DEFAULT_TRIALS = 20
+NO_FEASIBLE = "no trial met both SLOs"  # fairgate tune's last line when it exits 1 for that
+APPLY_ENDED = ("promoted", "rolled_back", "failed")
+LEASE_S = 10.0  # a gateway renews its running jobs this often; 3 missed: another takes over
+JOB_ID_PATTERN = "^job-[0-9a-f]{12}$"
+MAX_TRIALS = 10_000
+CANCEL_GRACE_S = 10.0  # SIGTERM, then SIGKILL
+DEFAULT_CANARY_WINDOW_S = 60.0
+DEFAULT_MIN_REQUESTS = 20
+DRAIN_TIMEOUT_S = 120.0  # a draining replica's streams get this long before it is reconfigured
+JOB_FILES = ("report.html", "report.md", "best.yaml", "trials.csv", "recheck.csv", "worker.log")
+_SPEC_FIELDS = {"mode", "workload", "captured_minutes", "rate", "duration", "set", "space",
+                "slo_ttft_p99_s", "slo_itl_p99_s", "objective", "trials", "timeout_s", "target",
+                "shadow", "shadow_requests", "shadow_window_s", "recheck", "seed", "heartbeat_s",
+                "baseline", "robustness"}
+
+
+# ---- the spec -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class JobSpec:
+    """A checked job spec: `fields` as the client sent them (stored), what the worker needs."""
+
+    fields: dict[str, Any]
+    mode: str
+    target: str | None  # the engine it reconfigures (replay: its URL; shadow: the target's)
+    trials: int | None
+    timeout_s: float | None
+
+
+def _number(fields: dict[str, Any], name: str, *, low: float = 0.0, integer: bool = False,
+            high: float = math.inf) -> Any:
+    value = fields.get(name)
+    if value is None:
+        return None
+    kind = "a whole number" if integer else "a number"
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and \
+            math.isfinite(value) and (not integer or float(value).is_integer())
+    except OverflowError:  # an integer past a float's range
+        finite = False
+    if not finite:
+        raise bad_request(f"{name} must be {kind}, got {str(value)[:40]}", name)
+    if integer:
+        least = math.ceil(low) if low > 0 else 0
+        if not least <= value <= high:
+            raise bad_request(f"{name} must be a whole number from {least} to {high:g}, got "
+                              f"{value!r}", name)
+    elif not low < value <= high:
+        raise bad_request(f"{name} must be more than {low:g} and at most {high:g}, got "
+                          f"{value!r}", name)
+    fields[name] = int(value) if integer else float(value)  # as the worker's argv needs it
+    return fields[name]
+
+
+def parse_spec(body: Any, shadows: dict[str, str], default_slos: tuple[float | None,
+                                                                       float | None]) -> JobSpec:
+    """A job spec from a POST body; ApiError 400 naming the field that is wrong. `shadows`:
+    the gateway's shadow targets (name -> engine URL); `default_slos`: the strictest tenant
+    SLOs, used when the spec gives none."""
+    from tuner.space import parse_space
+    from tuner.workload import WORKLOADS
+
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object: a job spec", None)
+    fields = dict(body)
+    unknown = sorted(set(fields) - _SPEC_FIELDS)
+    if unknown:
+        raise bad_request(f"unknown field {unknown[0]!r} (a job spec has: "
+                          f"{', '.join(sorted(_SPEC_FIELDS))})", unknown[0])
+    mode = fields.get("mode")
+    if mode not in MODES:
+        raise bad_request(f"mode must be one of {', '.join(MODES)} (launch runs a command line "
+                          "and is only for `fairgate tune`), got {mode!r}".replace(
+                              "{mode!r}", repr(mode)), "mode")
+    objective = fields.setdefault("objective", "goodput")
+    if objective not in OBJECTIVES:
+        raise bad_request(f"objective must be one of {', '.join(OBJECTIVES)}, got "
+                          f"{objective!r}", "objective")
+    if mode == "shadow" and objective != "goodput":
+        raise bad_request("mode shadow scores SLO attainment: objective goodput only",
+                          "objective")
+    sources = [k for k in ("workload", "captured_minutes") if fields.get(k) is not None]
+    if mode == "shadow":
+        if sources:
+            raise bad_request("mode shadow runs on mirrored live traffic: drop "
+                              f"{sources[0]}", sources[0])
+    elif len(sources) != 1:
+        raise bad_request("give one of workload (a named workload) or captured_minutes (the "
+                          "last N minutes of captured traffic)", "workload")
+    workload = fields.get("workload")
+    if workload is not None and workload not in WORKLOADS:
+        raise bad_request(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}",
+                          "workload")
+    _number(fields, "captured_minutes", high=7 * 24 * 60)
+    _number(fields, "rate")
+    _number(fields, "duration", high=86400)
+    for name in ("slo_ttft_p99_s", "slo_itl_p99_s"):
+        _number(fields, name, high=3600)
+    ttft = fields.get("slo_ttft_p99_s", default_slos[0])
+    itl = fields.get("slo_itl_p99_s", default_slos[1])
+    if ttft is None or itl is None:
+        missing = "slo_ttft_p99_s" if ttft is None else "slo_itl_p99_s"
+        raise bad_request(f"{missing} is needed: no enabled tenant sets that SLO to default to",
+                          missing)
+    fields["slo_ttft_p99_s"], fields["slo_itl_p99_s"] = float(ttft), float(itl)
+    trials = _number(fields, "trials", low=0.5, high=MAX_TRIALS, integer=True)
+    timeout_s = _number(fields, "timeout_s", high=30 * 86400)
+    if trials is not None and timeout_s is not None:
+        raise bad_request("give trials or timeout_s, not both", "timeout_s")
+    if trials is None and timeout_s is None:
+        trials = fields["trials"] = DEFAULT_TRIALS
+    for name in ("shadow_requests", "recheck", "seed", "heartbeat_s", "robustness"):
+        _number(fields, name, low=0 if name in ("recheck", "seed", "robustness") else 0.5,
+                integer=True, high=1_000_000)
+    _number(fields, "shadow_window_s", high=86400)
+    baseline = fields.get("baseline")
+    if baseline is not None and baseline != "vllm-grid":
+        raise bad_request(f"baseline must be vllm-grid, got {baseline!r}", "baseline")
+    knobs = fields.get("set", {})
+    if not isinstance(knobs, dict):
+        raise bad_request("set must be an object of engine knobs {knob: value}", "set")
+    try:
+        EngineConfig.from_dict(knobs)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"set: {exc}", "set") from None
+    space = fields.get("space")
+    if space is not None:
+        try:
+            parse_space(space)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(f"space: {exc}", "space") from None
+    target: str | None = None
+    if mode == "replay":
+        given = fields.get("target")
+        if not isinstance(given, str) or not given.startswith(("http://", "https://")):
+            raise bad_request("mode replay needs target: the URL of the fairgate engine to "
+                              "reconfigure and replay against", "target")
+        target = server_root(given)
+    elif mode == "shadow":
+        shadow_name = fields.get("shadow")
+        if not isinstance(shadow_name, str) or shadow_name not in shadows:
+            raise bad_request(f"mode shadow needs shadow: one of the gateway's shadow targets "
+                              f"({', '.join(sorted(shadows)) or 'none configured'}), got "
+                              f"{shadow_name!r}", "shadow")
+        target = server_root(shadows[shadow_name])
+    elif fields.get("target") is not None or fields.get("shadow") is not None:
+        raise bad_request("mode sim runs in process: it has no target", "target")
+    return JobSpec(fields, mode, target, trials, timeout_s)
+
+
+def worker_argv(job: JobRecord, gateway_url: str | None, trace: Path | None) -> list[str]:
+    """`fairgate tune` arguments for the job; the study's storage (a database URL, perhaps with
+    a password) and the admin key travel in the environment, never on a command line."""
+    f = job.spec
+    out = Path(job.out_dir)
+    argv = ["tune", "--mode", f["mode"], "--study", job.study,
+            "--out", str(out), "--objective", f["objective"],
+            "--slo-ttft-p99", repr(f["slo_ttft_p99_s"]), "--slo-itl-p99", repr(f["slo_itl_p99_s"])]
+    for knob, value in (f.get("set") or {}).items():
+        argv += ["--set", f"{knob}={_scalar(value)}"]
+    if f.get("space") is not None:
+        argv += ["--space", str(out / "space.yaml")]
+    if f.get("workload") is not None:
+        argv += ["--workload", f["workload"]]
+    if trace is not None:
+        argv += ["--trace", str(trace)]
+    flags = {"rate": "--rate", "duration": "--duration", "trials": "--trials",
+             "timeout_s": "--timeout", "seed": "--seed", "heartbeat_s": "--heartbeat",
+             "baseline": "--baseline", "shadow_requests": "--shadow-requests",
+             "shadow_window_s": "--shadow-window", "recheck": "--recheck",
+             "robustness": "--robustness"}
+    for name, flag in flags.items():
+        if f.get(name) is not None:
+            argv += [flag, str(f[name])]
+    if f["mode"] == "replay":
+        argv += ["--url", f["target"]]
+    elif f["mode"] == "shadow":
+        assert gateway_url is not None
+        argv += ["--gateway", gateway_url, "--shadow", f["shadow"]]
+    return argv
+
+
+def _scalar(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+# ---- the manager --------------------------------------------------------------------------------
+@dataclass
+class _Running:
+    process: asyncio.subprocess.Process
+    cancelled: bool = False
+
+
+class JobManager:
+    """Queues, runs, cancels and resumes jobs; describes them from their rows and studies."""
+
+    def __init__(self, store: JobStore, storage: str, folder: Path, max_running: int,
+                 admin_key: str | None, capture_window: Callable[..., Any] | None) -> None:
+        self.store = store
+        self.storage = storage
+        self.folder = folder
+        self.max_running = max_running
+        self.admin_key = admin_key
+        self.capture_window = capture_window
+        self.running: dict[str, _Running] = {}
+        self.gateway_url: str | None = None  # this gateway's own address (shadow jobs call it)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._waiters: set[asyncio.Task[None]] = set()
+        self._optuna: Any = None
+        self.applying: asyncio.Task[dict[str, Any]] | None = None
+        self._apply_lock = asyncio.Lock()
+        self.launching: set[str] = set()  # jobs between `running` and their worker's start
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"  # this gateway, in the rows
+        self.pool: Any = None  # the gateway's backends (an apply's replicas, drained there)
+
+    async def start(self) -> None:
+        await self._interrupt_orphans()
+        await self._recover_applies()
+        self._task = asyncio.create_task(self._scheduler(), name="tune jobs")
+
+    def _gone(self, job: JobRecord) -> bool:
+        """Whether the gateway that ran `job` is gone: one on this host whose process is dead
+        (or is this one, restarted), or any whose lease ran out."""
+        if job.owner is None or job.updated_at < time.time() - 3 * LEASE_S:
+            return True
+        host, _, pid = job.owner.rpartition(":")
+        if job.owner == self.owner:
+            return job.id not in self.running and job.id not in self.launching
+        if host != socket.gethostname() or not pid.isdigit():
+            return False
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    async def _interrupt_orphans(self) -> None:
+        moved = await self.store.interrupt_orphans(
+            self._gone, "the gateway stopped while this job ran (its worker stopped with it): "
+            "resume it to finish the study")
+        for job_id in moved:
+            log.warning("tune job %s was running when its gateway stopped: now interrupted "
+                        "(POST /admin/tune-jobs/%s/resume finishes it)", job_id, job_id)
+
+    async def _recover_applies(self) -> None:
+        """An apply cut short by a gateway that died: every replica it switched goes back."""
+        for job in await self.store.jobs(["succeeded"]):
+            record = job.apply
+            if not record or record.get("state") in APPLY_ENDED:
+                continue
+            previous = record.get("previous") or {}
+            steps = list(record.get("steps") or [])
+            state = "rolled_back"
+            for backend in reversed(record.get("switched") or []):
+                try:
+                    await reconfigure(backend, previous.get(backend) or {},
+                                      drain_timeout=DRAIN_TIMEOUT_S)
+                    steps.append({"at": time.time(), "step": f"after a gateway restart: put "
+                                  f"{backend} back on its knobs"})
+                except (OSError, ValueError) as exc:
+                    state = "failed"
+                    steps.append({"at": time.time(), "step": f"after a gateway restart: could "
+                                  f"not put {backend} back ({exc}): do it by hand with POST "
+                                  f"{backend}/admin/reconfigure "
+                                  f"{json.dumps({'changes': previous.get(backend)})}"})
+            steps.append({"at": time.time(), "step": "the gateway stopped during this apply; "
+                          + ("every replica runs its previous knobs" if state == "rolled_back"
+                             else "a replica may still run the new knobs")})
+            await self.store.update(job.id, apply={**record, "state": state, "switched": [],
+                                                   "steps": steps})
+            log.warning("tune job %s: an apply cut short by a restart was rolled back (%s)",
+                        job.id, state)
+
+    async def close(self) -> None:
+        """The gateway stops: running jobs' workers are stopped and their jobs interrupted
+        (what a killed gateway's next start finds too)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for task in list(self._waiters):
+            task.cancel()
+        if self.applying is not None and not self.applying.done():
+            self.applying.cancel()  # it rolls the canary back first
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.applying
+        for job_id, run in list(self.running.items()):
+            with contextlib.suppress(ProcessLookupError):
+                run.process.kill()
+            await run.process.wait()
+            with contextlib.suppress(Exception):  # the database may be gone: start() does it
+                await self.store.transition(
+                    job_id, ["running"], "interrupted", owner=None,
+                    error="the gateway stopped while this job ran: resume it to finish the study")
+        self.running.clear()
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def submit(self, spec: JobSpec) -> JobRecord:
+        if spec.target is not None:
+            busy = [j for j in await self.store.jobs(ACTIVE_STATES) if j.target == spec.target]
+            if busy:
+                raise ApiError(409, f"job {busy[0].id} is already tuning {spec.target}: cancel it "
+                               "or wait for it (two jobs may not tune one engine at once)",
+                               code="engine_busy", param="target")
+        job_id = "job-" + secrets.token_hex(6)
+        out = (self.folder / job_id).absolute()  # the worker and a restarted gateway find it
+        await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
+        if spec.fields.get("space") is not None:
+            await asyncio.to_thread((out / "space.yaml").write_text,
+                                    yaml.safe_dump(spec.fields["space"]))
+        if spec.fields.get("captured_minutes") is not None:
+            await self._write_capture(spec.fields["captured_minutes"], out / "trace.jsonl")
+        job = await self.store.create(job_id, spec.fields, spec.target, job_id, str(out),
+                                      spec.trials)
+        self._wake.set()
+        return job
+
+    async def _write_capture(self, minutes: float, path: Path) -> None:
+        if self.capture_window is None:
+            raise ApiError(400, "captured_minutes needs the gateway's trace capture: set "
+                           "gateway.capture.path", code="no_capture", param="captured_minutes")
+        now = time.time()
+        text = await self.capture_window(now - 60 * minutes, now, None)
+        if sum(1 for line in text.splitlines() if line and not line.startswith("#")) == 0:
+            raise ApiError(400, f"the capture holds no request from the last {minutes:g} "
+                           "minutes", code="empty_capture", param="captured_minutes")
+        await asyncio.to_thread(path.write_text, text)
+
+    async def cancel(self, job_id: str) -> JobRecord:
+        job = await self._job(job_id)
+        if job.state == "queued" and await self.store.transition(
+                job_id, ["queued"], "cancelled", finished_at=time.time()):
+            return await self._job(job_id)
+        while job_id in self.launching:  # its worker is starting: cancel that
+            await asyncio.sleep(0.01)
+        run = self.running.get(job_id)
+        if job.state == "running" and run is None and job.owner != self.owner:
+            raise ApiError(409, f"job {job_id} runs on another gateway ({job.owner}): cancel it "
+                           "there", code="job_elsewhere")
+        if run is None or run.process.returncode is not None:
+            job = await self._job(job_id)
+            raise ApiError(409, f"job {job_id} is {job.state}: only a queued or running job can "
+                           "be cancelled", code="job_not_active")
+        run.cancelled = True
+        with contextlib.suppress(ProcessLookupError):
+            run.process.terminate()
+        try:
+            await asyncio.wait_for(asyncio.shield(run.process.wait()), CANCEL_GRACE_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                run.process.kill()
+        while job_id in self.running:  # its waiter settles the row and the engine
+            await asyncio.sleep(0.01)
+        return await self._job(job_id)
+
+    async def resume(self, job_id: str) -> JobRecord:
+        job = await self._job(job_id)
+        if job.target is not None:
+            busy = [j for j in await self.store.jobs(ACTIVE_STATES)
+                    if j.target == job.target and j.id != job_id]
+            if busy:
+                raise ApiError(409, f"job {busy[0].id} is tuning {job.target} now",
+                               code="engine_busy")
+        if not await self.store.transition(job_id, ["interrupted", "failed", "cancelled"],
+                                           "queued", error=None, finished_at=None):
+            raise ApiError(409, f"job {job_id} is {job.state}: only an interrupted, failed or "
+                           "cancelled job can be resumed", code="job_not_resumable")
+        self._wake.set()
+        return await self._job(job_id)
+
+    # ---- apply: canary, promote or roll back (gateway/canary.py) ------------------------------
+    async def apply(self, job_id: str, body: Any, gateway: Any) -> dict[str, Any]:
+        """Start applying the job's best config to `body["backend"]` as a canary; the apply's
+        record (its steps appear in the job as they happen)."""
+        options = _apply_options(body)
+        async with self._apply_lock:  # checked and started as one: one canary at a time
+            return await self._start_apply(job_id, options, gateway)
+
+    async def _start_apply(self, job_id: str, options: dict[str, Any],
+                           gateway: Any) -> dict[str, Any]:
+        from gateway.canary import Apply, ApplyPlan
+
+        job = await self._job(job_id)
+        if job.state != "succeeded":
+            raise ApiError(409, f"job {job_id} is {job.state}: only a succeeded job's best config "
+                           "can be applied", code="job_not_succeeded")
+        if self.applying is not None and not self.applying.done():
+            raise ApiError(409, "another apply is in progress: one canary at a time",
+                           code="apply_in_progress")
+        config = await asyncio.to_thread(best_knobs, job)
+        pool = gateway.pool
+        tuning = [j for j in await self.store.jobs(ACTIVE_STATES)
+                  if j.target is not None and pool.by_name(j.target) is not None]
+        if tuning:
+            raise ApiError(409, f"job {tuning[0].id} is tuning {tuning[0].target}, one of these "
+                           "replicas: wait for it or cancel it", code="engine_busy")
+        fairgate = [b.name for b in pool.backends if getattr(b, "fairgate", False)]
+        canary = server_root(options["backend"]) if options["backend"].startswith(
+            ("http://", "https://")) else options["backend"]
+        if canary not in fairgate:
+            raise bad_request(f"backend must be one of this gateway's fairgate engine backends "
+                              f"({', '.join(fairgate) or 'none'}), got {options['backend']!r}",
+                              "backend")
+        previous = {}
+        for name in fairgate:
+            knobs = await engine_knobs(name, sorted(config))
+            if knobs is None:
+                raise ApiError(503, f"{name} did not say its knobs (GET /admin/config): it is "
+                               "needed to roll back", code="backend_unavailable",
+                               retry_after=5.0)
+            previous[name] = knobs
+        plan = ApplyPlan(job_id, canary, [n for n in fairgate if n != canary], config, previous,
+                         options["canary_window_s"], options["min_requests"],
+                         options["max_wait_s"])
+
+        async def drain(name: str) -> None:
+            pool.draining.add(name)
+            backend = pool.by_name(name)
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            while backend is not None and backend.inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)  # its streams finish; nothing new is sent
+
+        def undrain(name: str) -> None:
+            pool.draining.discard(name)
+            gateway.dispatcher.pump()
+
+        async def record(value: dict[str, Any]) -> None:
+            await self.store.update(job_id, apply=value)
+
+        async def switch(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
+            return await reconfigure(name, knobs, drain_timeout=DRAIN_TIMEOUT_S)
+
+        run = Apply(plan, gateway.served, drain, undrain, switch, record)
+        await record(run.record)
+        self.applying = asyncio.create_task(run.run(), name=f"apply {job_id}")
+        return run.record
+
+    async def _job(self, job_id: str) -> JobRecord:
+        job = await self.store.get(job_id)
+        if job is None:
+            raise ApiError(404, f"no tune job {job_id!r}", code="job_not_found")
+        return job
+
+    # ---- running ----------------------------------------------------------------------------
+    async def _scheduler(self) -> None:
+        """Launch what can run when woken (a job queued or ended), and every LEASE_S renew this
+        gateway's lease on its running jobs and take over those whose gateway is gone."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), LEASE_S)
+            self._wake.clear()
+            try:
+                await self.store.renew(list(self.running), self.owner)
+                await self._interrupt_orphans()
+                await self._launch_ready()
+            except Exception:  # noqa: BLE001 - a database hiccup: try again on the next wake
+                log.exception("tune jobs: scheduling failed")
+                await asyncio.sleep(1.0)
+                self._wake.set()
+
+    async def _launch_ready(self) -> None:
+        queued = await self.store.jobs(["queued"])
+        busy = {j.target for j in await self.store.jobs(["running"]) if j.target is not None}
+        busy |= self._applying_to()
+        for job in queued:
+            if len(self.running) + len(self.launching) >= self.max_running:
+                return
+            if job.target is not None and job.target in busy:
+                continue
+            self.launching.add(job.id)  # before any await: a cancel now waits for the worker
+            try:
+                if not await self.store.transition(job.id, ["queued"], "running",
+                                                   started_at=job.started_at or time.time(),
+                                                   runs=job.runs + 1, owner=self.owner):
+                    continue  # cancelled meanwhile
+                if job.target is not None:
+                    busy.add(job.target)
+                await self._launch(job)
+            finally:
+                self.launching.discard(job.id)
+
+    def _applying_to(self) -> set[str]:
+        """The replicas an apply in progress may reconfigure (no job tunes them meanwhile)."""
+        if self.applying is None or self.applying.done() or self.pool is None:
+            return set()
+        return {b.name for b in self.pool.backends}
+
+    async def _launch(self, job: JobRecord) -> None:
+        out = Path(job.out_dir)
+        trace = out / "trace.jsonl" if job.spec.get("captured_minutes") is not None else None
+        argv = worker_argv(job, self.gateway_url, trace)
+        env = dict(os.environ, FAIRGATE_PARENT_PID=str(os.getpid()),  # dies with us
+                   FAIRGATE_TUNE_STORAGE=self.storage)
+        if self.admin_key is not None:
+            env["FAIRGATE_ADMIN_KEY"] = self.admin_key
+        try:
+            if job.target is not None:
+                await self._snapshot(job)
+            logfile = await asyncio.to_thread(open, out / "worker.log", "ab")
+            try:
+                logfile.write(f"==== run {job.runs + 1}: fairgate {' '.join(argv)}\n".encode())
+                logfile.flush()
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "fairgate", *argv, stdin=asyncio.subprocess.DEVNULL,
+                    stdout=logfile, stderr=logfile, env=env)
+            finally:
+                logfile.close()  # the child holds its own copy
+        except OSError as exc:
+            await self.store.transition(job.id, ["running"], "failed", error=f"the worker did "
+                                        f"not start: {exc}", finished_at=time.time())
+            return
+        self.running[job.id] = _Running(process)
+        task = asyncio.create_task(self._wait(job, process), name=f"tune job {job.id}")
+        self._waiters.add(task)
+        task.add_done_callback(self._waiters.discard)
+
+    async def _wait(self, job: JobRecord, process: asyncio.subprocess.Process) -> None:
+        code = await process.wait()
+        run = self.running.get(job.id)
+        try:
+            if run is not None and run.cancelled:
+                await self._restore(job)
+                await self.store.transition(job.id, ["running"], "cancelled",
+                                            finished_at=time.time(),
+                                            error="cancelled: the running trial was stopped")
+            elif code == 0:
+                await self.store.transition(job.id, ["running"], "succeeded",
+                                            finished_at=time.time(), error=None)
+            elif code == 1 and NO_FEASIBLE in await self._log_tail(job):
+                # the study ran; no trial met both SLOs (a crash exits 1 too: it says otherwise)
+                await self.store.transition(job.id, ["running"], "succeeded",
+                                            finished_at=time.time(),
+                                            error="no trial met both SLOs: no best config")
+            else:
+                await self.store.transition(job.id, ["running"], "failed",
+                                            finished_at=time.time(),
+                                            error=await self._last_line(job, code))
+        finally:
+            self.running.pop(job.id, None)
+            self._wake.set()
+
+    async def _log_tail(self, job: JobRecord, lines: int = 5) -> str:
+        def read() -> str:
+            try:
+                text = (Path(job.out_dir) / "worker.log").read_text(errors="replace")
+            except OSError:
+                return ""
+            return "\n".join(text.splitlines()[-lines:])
+
+        return await asyncio.to_thread(read)
+
+    async def _last_line(self, job: JobRecord, code: int) -> str:
+        def read() -> str:
+            try:
+                lines = (Path(job.out_dir) / "worker.log").read_text(errors="replace").splitlines()
+            except OSError:
+                lines = []
+            said = [line for line in lines if line.strip() and not line.startswith("====")]
+            return said[-1].strip() if said else ""
+
+        how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        line = await asyncio.to_thread(read)
+        return f"the worker ended with {how}" + (f": {line}" if line else "")
+
+    async def _snapshot(self, job: JobRecord) -> None:
+        """The target engine's knobs before the job touches them (restored on cancel)."""
+        path = Path(job.out_dir) / "engine-before.json"
+        if await asyncio.to_thread(path.exists):
+            return  # a resumed job: the first run's snapshot is the one to go back to
+        knobs = await engine_knobs(job.target or "", job_knobs(job.spec))
+        if knobs is None:
+            log.warning("tune job %s: %s did not say its knobs (GET /admin/config): a cancel "
+                        "cannot put them back", job.id, job.target)
+            return
+        await asyncio.to_thread(path.write_text, json.dumps(knobs))
+
+    async def _restore(self, job: JobRecord) -> None:
+        if job.target is None:
+            return
+        path = Path(job.out_dir) / "engine-before.json"
+        try:
+            knobs = json.loads(await asyncio.to_thread(path.read_text))
+        except (OSError, ValueError):
+            return
+        try:
+            await reconfigure(job.target, knobs)
+        except (OSError, ValueError) as exc:
+            log.error("tune job %s cancelled: could not put %s back on its knobs (%s); do it "
+                      "with POST %s/admin/reconfigure %s", job.id, job.target, exc, job.target,
+                      json.dumps({"changes": knobs}))
+
+    # ---- what the API shows -----------------------------------------------------------------
+    async def describe(self, job: JobRecord, detail: bool = True) -> dict[str, Any]:
+        study = await asyncio.to_thread(self._study_view, job, detail)
+        elapsed = None
+        if job.started_at is not None:
+            elapsed = (job.finished_at or time.time()) - job.started_at
+        done, planned = study["done"], job.planned_trials
+        left = None
+        if elapsed and done and planned and job.state == "running":
+            left = max(0.0, elapsed / done * (planned - done))
+        base = f"/admin/tune-jobs/{job.id}"
+        files = await asyncio.to_thread(
+            lambda: [n for n in JOB_FILES if (Path(job.out_dir) / n).exists()])
+        out: dict[str, Any] = {
+            "id": job.id, "state": job.state, "spec": job.spec, "target": job.target,
+            "study": job.study, "created_at": job.created_at, "started_at": job.started_at,
+            "finished_at": job.finished_at, "runs": job.runs, "error": job.error,
+            "worker_pid": run.process.pid if (run := self.running.get(job.id)) else None,
+            "progress": {"trials_done": done, "trials_planned": planned,
+                         "elapsed_s": elapsed, "estimate_left_s": left},
+            "best": study["best"], "apply": job.apply,
+            "links": {name: f"{base}/files/{name}" for name in files}}
+        if detail:
+            out["trials"] = study["trials"]
+        return out
+
+    def _study_view(self, job: JobRecord, detail: bool) -> dict[str, Any]:
+        """The study's trials (a thread: Optuna's storage is synchronous)."""
+        import optuna
+
+        from tuner.study import TrialRow, optuna_storage_url
+
+        if self._optuna is None:
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            self._optuna = optuna.storages.RDBStorage(optuna_storage_url(self.storage))
+        try:
+            study = optuna.load_study(study_name=job.study, storage=self._optuna)
+        except KeyError:  # not created yet: the worker has not started
+            return {"done": 0, "best": None, "trials": []}
+        rows = [TrialRow.of(t) for t in study.get_trials(deepcopy=False)]
+        feasible = [r for r in rows if r.feasible and r.value is not None]
+        best = max(feasible, key=lambda r: r.value or 0.0, default=None)
+        return {"done": sum(1 for r in rows if r.state == "COMPLETE"),
+                "best": None if best is None else _row(best),
+                "trials": [_row(r) for r in rows] if detail else []}
+
+
+def _row(row: Any) -> dict[str, Any]:
+    return {"number": row.number, "state": row.state, "params": row.params,
+            "value": row.value, "feasible": row.feasible, "infeasible": row.infeasible,
+            "measures": row.measures, "baseline": row.baseline,
+            "retried_from": row.retried_from}
+
+
+def _apply_options(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object {backend, canary_window_s, "
+                          "min_requests}", None)
+    unknown = sorted(set(body) - {"backend", "canary_window_s", "min_requests", "max_wait_s"})
+    if unknown:
+        raise bad_request(f"unknown field {unknown[0]!r}", unknown[0])
+    backend = body.get("backend")
+    if not isinstance(backend, str) or not backend:
+        raise bad_request("backend is needed: the engine backend to apply the config to first",
+                          "backend")
+    window = _number(body, "canary_window_s", high=86400)
+    window = DEFAULT_CANARY_WINDOW_S if window is None else window
+    least = _number(body, "min_requests", low=0.5, integer=True, high=1_000_000)
+    wait = _number(body, "max_wait_s", high=7 * 86400)
+    return {"backend": backend, "canary_window_s": window,
+            "min_requests": DEFAULT_MIN_REQUESTS if least is None else least,
+            "max_wait_s": 5 * window if wait is None else max(wait, window)}
+
+
+def best_knobs(job: JobRecord) -> dict[str, Any]:
+    """The knobs the job searched, as its best.yaml has them (a thread: file I/O)."""
+    path = Path(job.out_dir) / "best.yaml"
+    try:
+        engine = (yaml.safe_load(path.read_text()) or {}).get("engine") or {}
+    except (OSError, yaml.YAMLError):
+        raise ApiError(409, f"job {job.id} has no best config (no trial met both SLOs)",
+                       code="no_best_config") from None
+    knobs = {k: engine[k] for k in space_knobs(job.spec) if k in engine}
+    if not knobs:
+        raise ApiError(409, f"job {job.id}'s best.yaml holds none of its knobs",
+                       code="no_best_config")
+    return knobs
+
+
+# ---- talking to an engine's admin API ------------------------------------------------------------
+DEFAULT_SPACE_KNOBS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                       "memory_fraction")  # tuner.space.default_space's
+
+
+def space_knobs(spec: dict[str, Any]) -> list[str]:
+    """The knobs a job searches: its space's, or the default space's."""
+    return sorted(spec.get("space") or DEFAULT_SPACE_KNOBS)
+
+
+def job_knobs(spec: dict[str, Any]) -> list[str]:
+    """The knobs a job may change on its engine: its space's and its `set`'s."""
+    return sorted(set(space_knobs(spec)) | set(spec.get("set") or {}))
+
+
+async def engine_knobs(url: str, names: list[str]) -> dict[str, Any] | None:
+    """The engine's `names` knobs now (GET /admin/config), None when it does not say."""
+    from tuner.remote import request_json
+
+    try:
+        status, body = await asyncio.to_thread(request_json, f"{url}/admin/config", None,
+                                               timeout=10.0)
+    except OSError:
+        return None
+    config = body.get("config") if status == 200 and isinstance(body, dict) else None
+    if not isinstance(config, dict):
+        return None
+    return {k: config[k] for k in names if k in config}
+
+
+async def reconfigure(url: str, knobs: dict[str, Any], drain_timeout: float | None = None
+                      ) -> dict[str, Any]:
+    """POST /admin/reconfigure; the engine's config after. ValueError when it refused."""
+    from tuner.remote import error_text, request_json
+
+    body: dict[str, Any] = {"changes": knobs}
+    if drain_timeout is not None:
+        body["drain_timeout"] = drain_timeout
+    status, answer = await asyncio.to_thread(request_json, f"{url}/admin/reconfigure", None,
+                                             method="POST", body=body, timeout=600.0)
+    if status != 200:
+        raise ValueError(f"{url} refused the reconfigure ({status}): "
+                         f"{error_text(answer, status)}")
+    return dict(answer.get("config") or {})

@@ -1,0 +1,243 @@
+"""Apply a tune job's winner as a canary: promoted to every replica when it serves live traffic
+better, rolled back (every replica on its previous knobs) when it serves it worse; the verdict
+rule on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.canary import Apply, ApplyPlan, Served, ServedWindow, judge
+from protocol.measures import SLO, RequestTiming
+from tests.gateway.helpers import collect, completion, start_gateway
+from tests.support.processes import fairgate_engine
+from tests.support.waiting import wait_until
+
+ADMIN = {"Authorization": "Bearer admin-key-0123456789"}
+TENANT_SLO = {"slo_ttft_p99_s": 0.25, "slo_itl_p99_s": 0.1}
+ENGINE = ("executor=sim", "sim_clock=realtime", "max_model_len=1024")
+
+
+def _knobs(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/admin/config", timeout=10) as resp:
+        return dict(json.loads(resp.read())["config"])
+
+
+@contextlib.asynccontextmanager
+async def _traffic(h: Any, streams: int) -> AsyncIterator[list[int]]:
+    """`streams` clients sending streamed requests back to back until the block ends."""
+    statuses: list[int] = []
+    stop = asyncio.Event()
+
+    async def client(i: int) -> None:
+        while not stop.is_set():
+            resp = await h.post("acme", completion(f"client {i}", max_tokens=8, stream=True))
+            [_ async for _ in collect(resp)]
+            statuses.append(resp.status)
+
+    tasks = [asyncio.create_task(client(i)) for i in range(streams)]
+    try:
+        yield statuses
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+
+
+async def _job(h: Any, max_num_seqs: int) -> str:
+    """A sim job whose space holds one max_num_seqs: its best config is that value."""
+    spec = {"mode": "sim", "workload": "uniform", "rate": 2, "duration": 4, "trials": 1,
+            "robustness": 0, "slo_ttft_p99_s": 30, "slo_itl_p99_s": 5,
+            "set": {"max_num_seqs": max_num_seqs},
+            "space": {"max_num_seqs": {"choices": [max_num_seqs]}}}
+    resp = await h.client.post("/admin/tune-jobs", json=spec, headers=ADMIN)
+    assert resp.status == 201, await resp.text()
+    job_id = str((await resp.json())["id"])
+
+    async def done() -> bool:
+        job = await (await h.client.get(f"/admin/tune-jobs/{job_id}", headers=ADMIN)).json()
+        assert job["state"] in ("queued", "running", "succeeded"), job
+        return bool(job["state"] == "succeeded")
+
+    await wait_until(done, 120, f"job {job_id} succeeded", every=0.1)
+    return job_id
+
+
+async def _apply(h: Any, job_id: str, backend: str) -> dict[str, Any]:
+    resp = await h.client.post(f"/admin/tune-jobs/{job_id}/apply", json={
+        "backend": backend, "canary_window_s": 2, "min_requests": 10}, headers=ADMIN)
+    assert resp.status == 202, await resp.text()
+    record: dict[str, Any] = {}
+
+    async def ended() -> bool:
+        job = await (await h.client.get(f"/admin/tune-jobs/{job_id}", headers=ADMIN)).json()
+        record.update(job["apply"])
+        return record["state"] in ("promoted", "rolled_back", "failed")
+
+    await wait_until(ended, 120, f"job {job_id}'s apply ended", every=0.1)
+    return record
+
+
+async def test_a_better_config_is_promoted_and_a_worse_one_rolled_back(
+        aiohttp_client: Any, db_url: str, tmp_path: Path) -> None:
+    with fairgate_engine(*ENGINE, "max_num_seqs=1") as a, \
+            fairgate_engine(*ENGINE, "max_num_seqs=1") as b:
+        h = await start_gateway(aiohttp_client, db_url, tenants={"acme": TENANT_SLO}, gateway={
+            "backends": [{"url": a}, {"url": b}], "jobs": {"dir": str(tmp_path / "jobs")}})
+        good, bad = await _job(h, 16), await _job(h, 1)
+        async with _traffic(h, streams=6) as statuses:
+            promoted = await _apply(h, good, a)
+            assert promoted["state"] == "promoted", promoted["steps"]
+            assert [_knobs(u)["max_num_seqs"] for u in (a, b)] == [16, 16]
+            verdict = next(s for s in promoted["steps"] if "verdict" in s)
+            figures = verdict["figures"]
+            assert figures["canary"]["requests"] >= 10 and figures["baseline"]["requests"] >= 10
+            assert figures["canary"]["fraction"] >= figures["baseline"]["fraction"]
+            assert promoted["previous"] == {a: {"max_num_seqs": 1}, b: {"max_num_seqs": 1}}
+
+            rolled = await _apply(h, bad, a)
+            assert rolled["state"] == "rolled_back", rolled["steps"]
+            assert [_knobs(u)["max_num_seqs"] for u in (a, b)] == [16, 16]  # as before it
+            verdict = next(s for s in rolled["steps"] if "verdict" in s)
+            # one seat against sixteen: the gateway sends it what fits, so it serves far less
+            # than an even share of the good requests
+            assert verdict["verdict"] == "roll_back" and "capacity" in verdict["step"]
+            share = verdict["figures"]["good_share"]
+            assert share["share"] < share["even"] / 2
+            steps = [s["step"] for s in rolled["steps"]]
+            assert any(s.startswith("putting") for s in steps)
+        assert statuses and set(statuses) == {200}  # live traffic never failed through it
+
+
+async def test_apply_refuses_what_it_cannot_do(aiohttp_client: Any, db_url: str,
+                                               tmp_path: Path) -> None:
+    with fairgate_engine(*ENGINE) as a:
+        h = await start_gateway(aiohttp_client, db_url, gateway={
+            "backends": [{"url": a}], "jobs": {"dir": str(tmp_path / "jobs")}})
+        job = await _job(h, 8)
+        for body, param in (({}, "backend"), ({"backend": "http://127.0.0.1:9"}, "backend"),
+                            ({"backend": a, "canary_window_s": 0}, "canary_window_s"),
+                            ({"backend": a, "min_requests": -1}, "min_requests"),
+                            ({"backend": a, "colour": 1}, "colour")):
+            resp = await h.client.post(f"/admin/tune-jobs/{job}/apply", json=body,
+                                       headers=ADMIN)
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == param
+        missing = await h.client.post("/admin/tune-jobs/job-nope/apply", json={"backend": a},
+                                      headers=ADMIN)
+        assert missing.status == 404
+
+
+# ---- the verdict ---------------------------------------------------------------------------------
+SLO_ = SLO(0.1, 0.05)
+
+
+def _served(ttfts: list[float], backend: str = "x", ok: bool = True) -> list[Served]:
+    return [Served(float(i), backend, "acme", SLO_, RequestTiming(0.0, [t, t + 0.01], 2,
+                                                                   t + 0.01, ok=ok))
+            for i, t in enumerate(ttfts)]
+
+
+def test_judge_promotes_an_equal_canary_and_rolls_back_a_worse_or_unseen_one() -> None:
+    fine = _served([0.05] * 90 + [0.2] * 10)
+    assert judge(fine, _served([0.05] * 90 + [0.2] * 10), 20)["verdict"] == "promote"
+    worse = judge(_served([0.05] * 50 + [0.2] * 50), fine, 20)
+    assert worse["verdict"] == "roll_back" and "attainment" in worse["reason"]
+    failing = judge(_served([0.05] * 90) + _served([0.05] * 10, ok=False),
+                    _served([0.05] * 100), 20)
+    assert failing["verdict"] == "roll_back"
+    unseen = judge(_served([0.05] * 5), fine, 20)
+    assert unseen["verdict"] == "roll_back" and "not enough traffic" in unseen["reason"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(min_value=0, max_value=40), st.integers(min_value=0, max_value=40))
+def test_judge_never_promotes_a_canary_that_misses_far_more(base_misses: int,
+                                                           extra: int) -> None:
+    """Whatever the baseline misses, a canary missing 30 more of 100 requests is rolled back;
+    one missing fewer is promoted."""
+    baseline = _served([0.2] * base_misses + [0.05] * (100 - base_misses))
+    worse = _served([0.2] * min(100, base_misses + 30 + extra)
+                    + [0.05] * max(0, 70 - base_misses - extra))
+    better = _served([0.2] * max(0, base_misses - extra) + [0.05] * (100 - max(
+        0, base_misses - extra)))
+    if base_misses + 30 <= 100:
+        assert judge(worse, baseline, 20)["verdict"] == "roll_back"
+    assert judge(better, baseline, 20)["verdict"] == "promote"
+
+
+def test_a_window_keeps_what_each_backend_served() -> None:
+    window = ServedWindow(maxlen=3)
+    for backend in "abcd":
+        window.record(backend, "acme", SLO_, RequestTiming(0.0, [0.01], 1, 0.02))
+    assert [s.backend for s in window.items] == ["b", "c", "d"]
+    assert [s.backend for s in window.between(0, float("inf"), {"b", "d"})] == ["b", "d"]
+
+
+@pytest.mark.parametrize("burn", [True, False])
+def test_a_canary_burning_budget_fast_is_rolled_back(burn: bool) -> None:
+    """The others miss nothing; a canary missing 3 of 100 burns 3x its budget: rolled back
+    even though 100 requests cannot show the difference with confidence."""
+    baseline = _served([0.05] * 100)
+    canary = _served([0.2] * (3 if burn else 0) + [0.05] * (97 if burn else 100))
+    verdict = judge(canary, baseline, 20)
+    assert verdict["verdict"] == ("roll_back" if burn else "promote")
+    if burn:
+        assert "burns its error budget" in verdict["reason"]
+
+
+def test_judge_rolls_back_a_canary_that_takes_capacity_away() -> None:
+    """Every request it served was good, but it served a fifth of what the other did."""
+    verdict = judge(_served([0.05] * 20), _served([0.05] * 100), 10, replicas=1)
+    assert verdict["verdict"] == "roll_back" and "capacity" in verdict["reason"]
+    assert judge(_served([0.05] * 90), _served([0.05] * 100), 10)["verdict"] == "promote"
+
+
+async def test_one_engine_is_judged_against_its_own_window_before_the_change() -> None:
+    """No other replica: the canary's window after the change against the same engine's
+    window before it; worse after, so its knobs go back."""
+    window = ServedWindow()
+    for i in range(50):  # before the change: all good
+        window.items.append(Served(50.0 + i, "e", "acme", SLO_,
+                                   RequestTiming(0.0, [0.05, 0.06], 2, 0.06)))
+    for i in range(50):  # after: half miss the TTFT target
+        ttft = 0.05 if i % 2 else 0.3
+        window.items.append(Served(100.0 + i, "e", "acme", SLO_,
+                                   RequestTiming(0.0, [ttft, ttft + 0.01], 2, ttft + 0.01)))
+    clock = iter([100.0, 100.0, 160.0])
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    async def switch(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
+        calls.append((name, knobs))
+        return knobs
+
+    async def persist(record: dict[str, Any]) -> None:
+        pass
+
+    async def drain(name: str) -> None:
+        pass
+
+    plan = ApplyPlan("job-1", "e", [], {"max_num_seqs": 1}, {"e": {"max_num_seqs": 16}},
+                     canary_window_s=30, min_requests=10, max_wait_s=30)
+    record = await Apply(plan, window, drain, lambda name: None, switch, persist,
+                         clock=lambda: next(clock)).run()
+    assert record["state"] == "rolled_back"
+    assert calls == [("e", {"max_num_seqs": 1}), ("e", {"max_num_seqs": 16})]
+    verdict = next(s for s in record["steps"] if "verdict" in s)
+    assert verdict["figures"]["baseline"]["fraction"] == 1.0
+    assert verdict["figures"]["canary"]["fraction"] == 0.5
+
+
+def test_judge_says_so_when_a_side_had_no_slo_to_check() -> None:
+    """Tenants without SLOs on the baseline side: no attainment to compare, no crash."""
+    no_slo = [Served(float(i), "b", "anon", SLO(), RequestTiming(0.0, [0.05], 1, 0.06))
+              for i in range(30)]
+    verdict = judge(_served([0.05] * 30), no_slo, 20)
+    assert verdict["verdict"] == "promote" and "n/a" in verdict["reason"]
