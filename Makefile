@@ -23,6 +23,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) lint
+	-deploy/ci/install-tools.sh promtool chromium  # promtool and a browser; tests skip without
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 clean:

@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, RequestOutput
-from engine.metrics import EngineMetrics
+from engine.metrics import EngineMetrics, register_process_metrics
 from engine.openai_api import generation_request
 from protocol.errors import ApiError
 from protocol.http import SSE_HEADERS, error_middleware
@@ -65,6 +65,7 @@ def make_app(engine: AsyncEngine, *, metrics_compat: str | None = None,
                           client_max_size=client_max_size)
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = EngineMetrics(engine, metrics_compat)
+    register_process_metrics(app[METRICS_KEY].registry)
     app.cleanup_ctx.append(_engine_context)
     # Abort open streams before aiohttp waits for their handlers to end.
     app.on_shutdown.append(_shutdown_engine)

@@ -20,7 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.config import EngineConfig
-from gateway import admin, openapi, proxy
+from gateway import admin, dashboard, openapi, proxy
 from gateway.auth import Authenticator, bearer
 from gateway.backends import Backend, BackendPool, EmbeddedBackend, RemoteBackend
 from gateway.config import GatewayConfig
@@ -75,6 +75,7 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     admin.add_routes(app)
+    dashboard.add_routes(app)
     app.router.add_get("/metrics", metrics_on_main_port)
     app.router.add_get("/health", healthz)  # the path vLLM and SGLang serve
     app.router.add_get("/healthz", healthz)
@@ -89,8 +90,10 @@ def _ledger(store: TenantStore, settings: GatewayConfig, database: str) -> Usage
     the database refused twice over."""
     digest = hashlib.sha256(database.encode()).hexdigest()[:12]
     folder = Path(settings.usage_spill_dir)
+    days = settings.usage_retention_days
     return UsageLedger(store, spill_path=folder / f"fairgate-usage-spill-{digest}.jsonl",
-                       dead_letter_path=folder / f"fairgate-usage-dead-letters-{digest}.jsonl")
+                       dead_letter_path=folder / f"fairgate-usage-dead-letters-{digest}.jsonl",
+                       retention_s=None if days is None else days * 86400)
 
 
 def _read_at_scrape(metrics: GatewayMetrics, gw: Gateway, auth: Authenticator) -> None:
@@ -105,6 +108,9 @@ def _read_at_scrape(metrics: GatewayMetrics, gw: Gateway, auth: Authenticator) -
                            "database did not answer", lambda: auth.lookup_failures)
     metrics.read_at_scrape("fairgate_gateway_auth_held_back", "Unseen keys answered 429 because "
                            "their address spent its failed-lookup budget", lambda: auth.held_back)
+    for backend in gw.pool.backends:
+        if isinstance(backend, EmbeddedBackend):
+            metrics.add_engine(backend.engine)
 
 
 def _backends(settings: GatewayConfig, engine: EngineConfig,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -49,6 +50,10 @@ class _Budget:
     at: float
 
 
+SESSION_COOKIE = "fairgate_session"
+SESSION_TTL_S = 12 * 3600.0
+
+
 class Authenticator:
     def __init__(self, store: TenantStore, admin_key: str | None, *,
                  failures_per_s: float = 10.0, failure_burst: int = 20) -> None:
@@ -58,6 +63,7 @@ class Authenticator:
         self.failure_burst = failure_burst
         self._unknown: OrderedDict[str, float] = OrderedDict()
         self._budgets: OrderedDict[str, _Budget] = OrderedDict()
+        self._sessions: dict[str, float] = {}  # dashboard session id -> expiry (epoch s)
         # One database lookup per key at a time: when the store's cache entry expires, the
         # requests arriving meanwhile share that lookup instead of each running their own.
         self._lookups: dict[str, asyncio.Future[Principal | None]] = {}
@@ -152,12 +158,37 @@ class Authenticator:
         return await asyncio.shield(task)
 
     def check_admin(self, request: web.Request) -> None:
+        """The admin key as a bearer token; or, for reading (GET), the dashboard's session
+        cookie. A cookie never authorises a change: a page elsewhere cannot make a logged-in
+        browser act (no CSRF), whatever it submits."""
         if self.admin_key is None:
             raise ApiError(404, "the admin API is disabled (set gateway.admin_key)",
                            code="admin_disabled")
-        key = bearer(request) or ""
-        if not hmac.compare_digest(key.encode(), self.admin_key.encode()):
+        key = bearer(request)
+        if key is None and request.method in ("GET", "HEAD") and self.session_valid(
+                request.cookies.get(SESSION_COOKIE)):
+            return
+        if not hmac.compare_digest((key or "").encode(), self.admin_key.encode()):
             raise ApiError(401, "an admin key is required for /admin/*", code="invalid_admin_key")
+
+    # ---- the dashboard's sessions ---------------------------------------------------------------
+    def open_session(self, now: float | None = None) -> str:
+        """A new session id (random; held here, so logging out or a restart ends it)."""
+        now = time.time() if now is None else now
+        self._sessions = {k: v for k, v in self._sessions.items() if v > now}
+        token = secrets.token_urlsafe(32)
+        self._sessions[token] = now + SESSION_TTL_S
+        return token
+
+    def session_valid(self, token: str | None, now: float | None = None) -> bool:
+        if not token:
+            return False
+        expires = self._sessions.get(token)
+        return expires is not None and expires > (time.time() if now is None else now)
+
+    def close_session(self, token: str | None) -> None:
+        if token:
+            self._sessions.pop(token, None)
 
 
 def _invalid() -> ApiError:

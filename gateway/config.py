@@ -220,6 +220,9 @@ class GatewayConfig:
     # where usage records go when the database is still away at shutdown (written at the next
     # start; one file per database URL)
     usage_spill_dir: str = "."
+    # raw usage rows older than this many days are deleted (hourly); the per-minute rollups the
+    # dashboard's long views read are kept. None: keep every row.
+    usage_retention_days: float | None = None
     # how long a shutdown keeps trying a database that is away before it spills (well inside
     # Kubernetes' default 30 s grace period, beside the streams it drains)
     usage_shutdown_flush_s: float = 10.0
@@ -251,6 +254,9 @@ class GatewayConfig:
                                                or len(self.metrics_token) < 16):
             raise ValueError("gateway.metrics_token must be a string of at least 16 characters")
         check_number("gateway.auth_failures_per_s", self.auth_failures_per_s, low=0)
+        if self.usage_retention_days is not None:
+            check_number("gateway.usage_retention_days", self.usage_retention_days, low=0,
+                         open_low=True)
         if not isinstance(self.usage_spill_dir, str) or not self.usage_spill_dir:
             raise ValueError("gateway.usage_spill_dir must be a directory path")
         check_positive_int("gateway.auth_failure_burst", self.auth_failure_burst)

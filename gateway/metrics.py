@@ -4,8 +4,9 @@ dict lookup and a lock, which adds up at one ITL observation per token."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import (
@@ -18,6 +19,12 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from protocol.measures import SLO, RequestTiming, attainment
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.metrics import EngineMetrics
+
+log = logging.getLogger("fairgate.gateway")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
@@ -74,11 +81,24 @@ class GatewayMetrics:
         self._slo_counts: dict[tuple[str, str], list[int]] = {}
         self._read = _ReadAtScrape()
         r.register(self._read)
+        self._engine_metrics: EngineMetrics | None = None
 
     def read_at_scrape(self, name: str, help_text: str, value: Callable[[], float],
                        kind: str = "counter") -> None:
         """A series another object keeps (the ledger's, the authenticator's), read per scrape."""
         self._read.series.append((name, help_text, value, kind))
+
+    def add_engine(self, engine: AsyncEngine) -> None:
+        """The embedded engine's fairgate_engine_* series (engine/metrics.py), as its own server
+        would export them: in embedded mode no engine server does. One engine: a second one's
+        series would have the same names and labels."""
+        if self._engine_metrics is not None:
+            log.warning("engine metrics are exported for the first embedded engine only")
+            return
+        from engine.metrics import EngineMetrics  # not in the shadow sender process
+
+        self._engine_metrics = EngineMetrics(engine, registry=self.registry)
+        engine.add_observer(self._engine_metrics)
 
     def child(self, metric: str, *labels: str) -> Any:
         """The labelled child of `metric`, cached: this runs several times per request."""

@@ -250,12 +250,22 @@ class Gateway:
         out = adm.outcome
         queue_time = (adm.dispatched_at or timing.end) - adm.arrival
         ran = adm.backend is not None
-        event = UsageEvent(tenant=adm.tenant.name, key_id=adm.principal.key_id,
+        tenant = adm.tenant
+        slo = SLO(tenant.slo_ttft_p99_s, tenant.slo_itl_p99_s)
+        # against the tenant's targets: the service's failures (429, 5xx) miss; a client's
+        # mistake (another 4xx) and a non-streamed answer (no first token or gaps to time) are
+        # not counted either way
+        counted = (status == 200 and adm.job.req.stream) or status == 429 or status >= 500
+        ttft_ok = timing.meets_ttft(slo) if counted and slo.ttft_s is not None else None
+        itl_ok = timing.meets_tpot(slo) if counted and slo.itl_s is not None else None
+        event = UsageEvent(tenant=tenant.name, key_id=adm.principal.key_id,
                            model=adm.job.req.model or "", priority=adm.job.priority,
                            prompt_tokens=out.prompt_tokens if ran else 0,
                            completion_tokens=out.completion_tokens if ran else 0,
                            status=status, queue_time=queue_time, ttft=timing.ttft,
-                           e2e=timing.e2e, created_at=adm.created_at)
+                           e2e=timing.e2e, created_at=adm.created_at, tpot=timing.tpot,
+                           slo_ttft=ttft_ok, slo_itl=itl_ok,
+                           backend=adm.backend.name if adm.backend is not None else None)
         if self.config.log_requests:  # tenant, status and timings only: never keys or bodies
             log.info("tenant=%s status=%d prompt=%d completion=%d queue=%.3fs e2e=%.3fs",
                      event.tenant, status, event.prompt_tokens, event.completion_tokens,
@@ -272,9 +282,15 @@ class Gateway:
         self.metrics.child("requests", name, str(status)).inc()
         if self.ledger is None:
             return
+        tenant = principal.tenant
+        # turned away by the service (429, 503): a miss of every target the tenant set; a
+        # client's mistake (400, 403, 404) is not counted
+        missed = False if status in (429, 503) else None
         event = UsageEvent(tenant=name, key_id=principal.key_id,
                            model=(req.model or "") if req else "", priority=(req and req.priority)
                            or principal.tenant.default_priority, prompt_tokens=0,
-                           completion_tokens=0, status=status)
+                           completion_tokens=0, status=status,
+                           slo_ttft=missed if tenant.slo_ttft_p99_s is not None else None,
+                           slo_itl=missed if tenant.slo_itl_p99_s is not None else None)
         with contextlib.suppress(LedgerFullError, RuntimeError):
             self.ledger.record(event)

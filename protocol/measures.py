@@ -147,3 +147,39 @@ def attainment(met: int, total: int, target: float = 0.99) -> dict[str, float | 
     fraction = met / total if total else None
     burn_rate = None if fraction is None else (1.0 - fraction) / budget
     return {"fraction": fraction, "target": target, "budget": budget, "burn_rate": burn_rate}
+
+
+# ---- SLO periods: attainment, error budget, burn rate (the dashboard's and the alerts') ------
+# The SRE workbook's multiwindow, multi-burn-rate thresholds: a burn rate at or above these over
+# the window (and its short companion) spends a 30-day budget in 2 days (14.4x over 1 h) or 5
+# days (6x over 6 h); deploy/prometheus/rules use the same.
+PAGE_BURN_1H = 14.4
+PAGE_BURN_6H = 6.0
+
+
+def budget_left(met: int, total: int, target: float = 0.99) -> float | None:
+    """The share of the period's error budget not yet spent: 1 - misses / (budget x total).
+    1.0 with no miss, 0.0 when exactly spent, negative when overspent; None for no requests.
+    (The budget is a share of the requests the period saw, so it grows with traffic.)"""
+    if not 0 <= met <= total:
+        raise ValueError(f"met ({met}) must be between 0 and total ({total})")
+    if total == 0:
+        return None
+    return 1.0 - (total - met) / (error_budget(target) * total)
+
+
+def slo_state(budget_left_30d: float | None, burn_1h: float | None,
+              burn_6h: float | None) -> str:
+    """`breaching`: the period's budget is spent, or it burns at a paging rate (14.4x over 1 h
+    or 6x over 6 h); `at_risk`: burning faster than the budget allows (over 1x) over either
+    window, or less than a quarter of the budget left; `ok` otherwise; `no_data` without
+    requests checked against a target."""
+    if budget_left_30d is None and burn_1h is None and burn_6h is None:
+        return "no_data"
+    if (budget_left_30d is not None and budget_left_30d <= 0) or \
+            (burn_1h or 0.0) >= PAGE_BURN_1H or (burn_6h or 0.0) >= PAGE_BURN_6H:
+        return "breaching"
+    if (burn_1h or 0.0) > 1.0 or (burn_6h or 0.0) > 1.0 or \
+            (budget_left_30d is not None and budget_left_30d < 0.25):
+        return "at_risk"
+    return "ok"

@@ -50,6 +50,7 @@ from sqlalchemy import (
     SmallInteger,
     String,
     Table,
+    delete,
     func,
     insert,
     select,
@@ -58,7 +59,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
 
-from tenants.models import UsageDeadLetterRow, UsageRow
+from tenants.models import UsageDeadLetterRow, UsageHourRow, UsageMinuteRow, UsageRow
 from tenants.store import TenantStore
 from tenants.values import UsageEvent
 
@@ -67,6 +68,9 @@ log = logging.getLogger(__name__)
 Row = dict[str, Any]
 
 _INSERT_CHUNK = 2_000
+_MINUTE_CHUNK = 500  # rollup rows per upsert (14 bound values each)
+_MAX_MINUTE = 2**31 - 1
+PRUNE_EVERY_S = 3600.0  # fg_usage_minutes.minute is a 32-bit integer
 LATENCY_COLUMNS = ("ttft", "e2e", "queue_time")
 DEFAULT_DEAD_LETTER_PATH = Path(tempfile.gettempdir()) / "fairgate-usage-dead-letters.jsonl"
 
@@ -209,7 +213,60 @@ def _event_row(e: UsageEvent) -> Row:
         "e2e": e.e2e,
         "created_at": e.created_at,
         "finished_at": _finished_at(e),
+        "tpot": e.tpot,
+        "slo_ttft": None if e.slo_ttft is None else int(e.slo_ttft),
+        "slo_itl": None if e.slo_itl is None else int(e.slo_itl),
+        "cached_tokens": e.cached_tokens,
+        "backend": e.backend,
     }
+
+
+MINUTE_COUNTS = ("requests", "ok", "rejected", "failed", "prompt_tokens", "completion_tokens",
+                 "ttft_checked", "ttft_met", "itl_checked", "itl_met", "slo_checked", "slo_met")
+
+
+def minute_rollups(rows: Iterable[Row], unit: int = 60, column: str = "minute") -> list[Row]:
+    """Normalised usage rows summed per tenant and minute (what fg_usage_minutes adds), or per
+    `unit` seconds into `column` (fg_usage_hours: 3600, "hour")."""
+    sums: dict[tuple[str, int], Row] = {}
+    for r in rows:
+        # a finish time absurd enough to overflow the column is kept in the row as it came,
+        # and counted at the edge of the rollups' range
+        key = (r["tenant"], min(max(int(r["finished_at"] // unit), 0), _MAX_MINUTE))
+        m = sums.get(key)
+        if m is None:
+            m = sums[key] = {"tenant": key[0], column: key[1],
+                             **dict.fromkeys(MINUTE_COUNTS, 0)}
+        status = r["status"]
+        m["requests"] += 1
+        m["ok"] += status == 200
+        m["rejected"] += status == 429
+        m["failed"] += status >= 500
+        m["prompt_tokens"] += r["prompt_tokens"]
+        m["completion_tokens"] += r["completion_tokens"]
+        ttft, itl = r.get("slo_ttft"), r.get("slo_itl")
+        if ttft is not None:
+            m["ttft_checked"] += 1
+            m["ttft_met"] += ttft
+        if itl is not None:
+            m["itl_checked"] += 1
+            m["itl_met"] += itl
+        if ttft is not None or itl is not None:
+            m["slo_checked"] += 1
+            m["slo_met"] += (ttft is None or ttft == 1) and (itl is None or itl == 1)
+    return list(sums.values())
+
+
+def _upsert_rollups(dialect: str, model: Any, column: str, rows: list[Row]) -> Any:
+    """INSERT ... ON CONFLICT (tenant, minute|hour) DO UPDATE SET n = n + excluded.n."""
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    table = cast(Table, model.__table__)
+    stmt: Any = (postgresql.insert(table) if dialect == "postgresql"
+                 else sqlite.insert(table)).values(rows)
+    return stmt.on_conflict_do_update(
+        index_elements=[table.c.tenant, table.c[column]],
+        set_={name: table.c[name] + stmt.excluded[name] for name in MINUTE_COUNTS})
 
 
 # -- telling a refused row from an unreachable database -----------------------------------------
@@ -314,6 +371,7 @@ class UsageLedger:
         self, store: TenantStore, flush_interval: float = 1.0, max_pending: int = 100_000,
         dead_letter_path: str | os.PathLike[str] | None = DEFAULT_DEAD_LETTER_PATH,
         spill_path: str | os.PathLike[str] | None = None,
+        retention_s: float | None = None,
     ) -> None:
         """`dead_letter_path`: the JSONL file for dead letters the database will not take
         either; None: the log only. `spill_path`: where `close` keeps the records a database
@@ -331,6 +389,8 @@ class UsageLedger:
         self._task: asyncio.Task[None] | None = None
         self._shared: asyncio.Future[int] | None = None
         self._closed = False
+        self.retention_s = retention_s  # raw rows older than this are pruned; None: kept
+        self._next_prune = 0.0
         self.flushed = 0  # records written so far, for metrics and tests
         self.dead_lettered = 0  # records the database refused, set aside
 
@@ -416,11 +476,31 @@ class UsageLedger:
         return None
 
     async def _write(self, rows: list[Row]) -> None:
+        """The rows and their minute rollups, in one transaction: the dashboard's long views
+        (rollups) and its short ones (rows) never disagree."""
+        rollups = ((UsageMinuteRow, "minute", minute_rollups(rows)),
+                   (UsageHourRow, "hour", minute_rollups(rows, 3600, "hour")))
+        dialect = "postgresql" if self.store.db.is_postgres else "sqlite"
+
         async def op(s: AsyncSession) -> None:
             for i in range(0, len(rows), _INSERT_CHUNK):
                 await s.execute(insert(UsageRow), rows[i : i + _INSERT_CHUNK])
+            for model, column, sums in rollups:
+                sums.sort(key=lambda m: (m["tenant"], m[column]))  # one lock order for all
+                for i in range(0, len(sums), _MINUTE_CHUNK):
+                    await s.execute(_upsert_rollups(dialect, model, column,
+                                                    sums[i : i + _MINUTE_CHUNK]))
 
         await self.store.db.run(op)
+
+    async def prune(self, before: float) -> int:
+        """Delete raw usage rows that finished before `before` (epoch seconds); their minute
+        rollups stay. The number deleted."""
+        async def op(s: AsyncSession) -> int:
+            result = await s.execute(delete(UsageRow).where(UsageRow.finished_at < before))
+            return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+        return await self.store.db.run(op)
 
     async def _set_aside(self, row: Row, refusal: Exception) -> None:
         row_json, reason = dead_letter_json(row), error_summary(refusal)
@@ -457,11 +537,22 @@ class UsageLedger:
             self._wake.clear()
             try:
                 await self.flush()
+                await self._prune_when_due()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep the loop alive; the batch stays buffered
                 log.warning("usage flush failed (%d pending): %s", self.pending,
                             error_summary(exc))
+
+    async def _prune_when_due(self) -> None:
+        """With a retention, raw rows older than it go once an hour (the rollups stay)."""
+        if self.retention_s is None or time.monotonic() < self._next_prune:
+            return
+        self._next_prune = time.monotonic() + PRUNE_EVERY_S
+        deleted = await self.prune(time.time() - self.retention_s)
+        if deleted:
+            log.info("usage: pruned %d raw rows older than %g days (minute rollups kept)",
+                     deleted, self.retention_s / 86400)
 
     async def close(self, timeout: float = 30.0) -> None:
         """Stop the background task and write everything. While the database is away, keep

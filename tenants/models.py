@@ -6,7 +6,17 @@ Alembic's autogenerate finds no difference.
 
 from __future__ import annotations
 
-from sqlalchemy import Boolean, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    SmallInteger,
+    String,
+    Text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -55,7 +65,9 @@ class UsageRow(Base):
     tenant keeps its history and a flush never waits on a tenant lookup."""
 
     __tablename__ = "fg_usage"
-    __table_args__ = (Index("ix_fg_usage_tenant_finished", "tenant", "finished_at"),)
+    __table_args__ = (Index("ix_fg_usage_tenant_finished", "tenant", "finished_at"),
+                      # every tenant's last hour (the dashboard), the retention's old rows
+                      Index("ix_fg_usage_finished", "finished_at"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     tenant: Mapped[str] = mapped_column(String(64), nullable=False)
@@ -70,6 +82,62 @@ class UsageRow(Base):
     e2e: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[float] = mapped_column(Float, nullable=False)
     finished_at: Mapped[float] = mapped_column(Float, nullable=False)
+    tpot: Mapped[float | None] = mapped_column(Float)  # the SLO module's ITL for one request
+    # against the tenant's SLO then: 1 met, 0 missed (a failed or refused request misses),
+    # NULL when it set no such target or a non-streamed answer has no first token to time
+    slo_ttft: Mapped[int | None] = mapped_column(SmallInteger)
+    slo_itl: Mapped[int | None] = mapped_column(SmallInteger)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer)  # prompt tokens from the cache
+    backend: Mapped[str | None] = mapped_column(String(512))  # the engine that served it
+
+
+class UsageMinuteRow(Base):
+    """Per tenant and minute: what the SLO dashboard reads for hours-to-30-day views, written in
+    the same transaction as the raw rows, so they agree; raw rows may be pruned
+    (`gateway.usage_retention_days`) without losing these."""
+
+    __tablename__ = "fg_usage_minutes"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    minute: Mapped[int] = mapped_column(Integer, primary_key=True)  # epoch seconds // 60
+    requests: Mapped[int] = mapped_column(Integer, nullable=False)
+    ok: Mapped[int] = mapped_column(Integer, nullable=False)  # HTTP 200
+    rejected: Mapped[int] = mapped_column(Integer, nullable=False)  # 429
+    failed: Mapped[int] = mapped_column(Integer, nullable=False)  # >= 500
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    ttft_checked: Mapped[int] = mapped_column(Integer, nullable=False)
+    ttft_met: Mapped[int] = mapped_column(Integer, nullable=False)
+    itl_checked: Mapped[int] = mapped_column(Integer, nullable=False)
+    itl_met: Mapped[int] = mapped_column(Integer, nullable=False)
+    slo_checked: Mapped[int] = mapped_column(Integer, nullable=False)  # any target checked
+    slo_met: Mapped[int] = mapped_column(Integer, nullable=False)  # every checked one met
+
+    __table_args__ = (Index("ix_fg_usage_minutes_minute", "minute"),)
+
+
+class UsageHourRow(Base):
+    """The same counts per tenant and hour: the 30-day view sums 720 of these per tenant
+    instead of 43,200 minutes."""
+
+    __tablename__ = "fg_usage_hours"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    hour: Mapped[int] = mapped_column(Integer, primary_key=True)  # epoch seconds // 3600
+    requests: Mapped[int] = mapped_column(Integer, nullable=False)
+    ok: Mapped[int] = mapped_column(Integer, nullable=False)
+    rejected: Mapped[int] = mapped_column(Integer, nullable=False)
+    failed: Mapped[int] = mapped_column(Integer, nullable=False)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    ttft_checked: Mapped[int] = mapped_column(Integer, nullable=False)
+    ttft_met: Mapped[int] = mapped_column(Integer, nullable=False)
+    itl_checked: Mapped[int] = mapped_column(Integer, nullable=False)
+    itl_met: Mapped[int] = mapped_column(Integer, nullable=False)
+    slo_checked: Mapped[int] = mapped_column(Integer, nullable=False)
+    slo_met: Mapped[int] = mapped_column(Integer, nullable=False)
+
+    __table_args__ = (Index("ix_fg_usage_hours_hour", "hour"),)
 
 
 class UsageDeadLetterRow(Base):

@@ -279,6 +279,11 @@ class UsageEvent:
     e2e: float | None = None
     created_at: float = field(default_factory=time.time)  # arrival, epoch seconds
     finished_at: float | None = None  # None: created_at + e2e
+    tpot: float | None = None  # mean gap between its tokens after the first (the SLO's ITL)
+    slo_ttft: bool | None = None  # met the tenant's TTFT target; None: no target or unmeasured
+    slo_itl: bool | None = None
+    cached_tokens: int | None = None
+    backend: str | None = None
 
     def finished(self) -> float:
         if self.finished_at is not None:

@@ -377,3 +377,22 @@ def test_fairgate_jobs_drives_the_admin_api(tmp_path: Path, db_url: str,
     assert "not JSON" in capsys.readouterr().err
     assert main(["jobs", "list", "--gateway", "http://127.0.0.1:9"]) == 2
     assert "cannot reach" in capsys.readouterr().err
+
+
+async def test_two_jobs_may_not_tune_one_engine(aiohttp_client: Any, db_url: str,
+                                                tmp_path: Path) -> None:
+    """Queued (this gateway runs none: max_running 0), a second replay job on the same engine
+    is refused, one on another engine is not."""
+    h = await start_gateway(aiohttp_client, db_url,
+                            gateway=_jobs_config(tmp_path, max_running=0))
+    replay = {**QUICK, "mode": "replay", "target": "http://127.0.0.1:8100"}
+    first = await h.client.post("/admin/tune-jobs", json=replay, headers=ADMIN)
+    assert first.status == 201 and (await first.json())["state"] == "queued"
+    again = await h.client.post("/admin/tune-jobs", json={**replay, "target":
+                                                         "http://127.0.0.1:8100/v1"},
+                                headers=ADMIN)
+    body = await again.json()
+    assert again.status == 409 and body["error"]["code"] == "engine_busy"
+    other = await h.client.post("/admin/tune-jobs", json={**replay, "target":
+                                                         "http://127.0.0.1:8101"}, headers=ADMIN)
+    assert other.status == 201

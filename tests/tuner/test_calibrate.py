@@ -56,25 +56,30 @@ def calibrator() -> Calibrator:
     return calibrator
 
 
-def _least_stretched(calibrator: Calibrator, phase: Phase) -> list[Any]:
-    """The phase run twice, each step's shorter time kept: another job on the machine only
-    ever stretches a step, so the shorter of two is the closer to the engine's own time."""
-    first, second = calibrator.run(phase), calibrator.run(phase)
-    if [f for f, _ in first] != [f for f, _ in second]:
-        return list(first)
-    return [(f, min(a, b)) for (f, a), (_, b) in zip(first, second, strict=True)]
+def _least_stretched(calibrator: Calibrator, phase: Phase, runs: int = 3) -> list[Any]:
+    """The phase run `runs` times, each step's shortest time kept: another job on the machine
+    only ever stretches a step, so the shortest is the closest to the engine's own time."""
+    first = calibrator.run(phase)
+    best = [t for _, t in first]
+    for _ in range(runs - 1):
+        again = calibrator.run(phase)
+        if [f for f, _ in again] != [f for f, _ in first]:
+            continue  # a different sequence of steps: nothing to pair
+        best = [min(a, t) for a, (_, t) in zip(best, again, strict=True)]
+    return [(f, t) for (f, _), t in zip(first, best, strict=True)]
 
 
 def test_the_fit_predicts_held_out_shapes(calibrator: Calibrator) -> None:
     train = [Phase(1, 16), Phase(1, 200), Phase(4, 16), Phase(4, 100), Phase(8, 16),
              Phase(8, 48, staggered=True), Phase(2, 300, 8)]
     held_out = [Phase(3, 64, 8), Phase(6, 24, 8, staggered=True)]
-    samples = [s for phase in train for s in calibrator.run(phase)]
+    samples = [s for phase in train for s in _least_stretched(calibrator, phase)]
     coefficients, quality = fit(samples)
     assert quality["steps"] == len(samples) and np.all(coefficients >= 0)
     profile = known_profile(**dict(zip(FEATURES, coefficients.tolist(), strict=True)))
     measured = [s for phase in held_out for s in _least_stretched(calibrator, phase)]
-    # loose on purpose: a loaded CI machine stretches some steps; a wrong model is off by far more
+    # loose on purpose: a loaded CI machine stretches some steps (about 0.12 on a quiet one);
+    # a wrong model is off by far more
     assert evaluate(profile, measured)["median_rel_error"] < 0.6
 
 
