@@ -6,6 +6,9 @@ a burst cannot overshoot the limit the way count-after-the-fact limiters do; whe
 the charge is settled to the actual tokens, and a request that never ran is refunded. When a
 request does not fit, Retry-After is the time until enough of the oldest charges leave the
 window for it to fit.
+
+`RateLimiter` keeps the windows in this process; `gateway.shared.SharedRateLimiter` keeps them in
+Redis for every replica (`gateway.redis`). Both are a `Limiter` and word their refusals here.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from tenants import TenantLimits
 
@@ -37,6 +41,41 @@ class Charge:
     tokens: int
     requests: int = 1
     window: RateWindow | None = field(default=None, repr=False)
+
+
+def check_fits(limits: TenantLimits, tokens: int) -> None:
+    """RateLimited (never fits) when the request alone is over tokens_per_min."""
+    tpm = limits.tokens_per_min
+    if tpm is not None and tokens > tpm:
+        raise RateLimited("tokens_per_min", None,
+                          f"this request's estimated cost ({tokens} tokens) exceeds your "
+                          f"tokens_per_min limit ({tpm}) by itself; lower max_tokens or "
+                          "shorten the prompt")
+
+
+def requests_limited(rpm: int, wait: float) -> RateLimited:
+    return RateLimited("requests_per_min", wait, f"rate limit reached: {rpm} requests per minute")
+
+
+def tokens_limited(tpm: int, tokens: int, wait: float) -> RateLimited:
+    return RateLimited("tokens_per_min", wait, f"rate limit reached: {tpm} tokens per minute "
+                       f"(this request is estimated at {tokens} tokens)")
+
+
+class Limiter(Protocol):
+    """What the request pipeline (gateway/service.py) asks of a rate limiter."""
+
+    async def charge(self, tenant: str, limits: TenantLimits, tokens: int) -> Charge:
+        """Charge `tokens` and one request, or raise RateLimited without charging anything."""
+        ...
+
+    def settle(self, charge: Charge, actual_tokens: int) -> None: ...
+
+    def refund(self, charge: Charge) -> None: ...
+
+    def shared_state_status(self) -> dict[str, Any]:
+        """A /readyz check: whether the windows are shared by every replica right now."""
+        ...
 
 
 class RateWindow:
@@ -94,23 +133,23 @@ class RateLimiter:
             window = self._windows[tenant] = RateWindow(self.period)
         window.expire(now)
         rpm, tpm = limits.requests_per_min, limits.tokens_per_min
-        if tpm is not None and tokens > tpm:
-            raise RateLimited("tokens_per_min", None,
-                              f"this request's estimated cost ({tokens} tokens) exceeds your "
-                              f"tokens_per_min limit ({tpm}) by itself; lower max_tokens or "
-                              "shorten the prompt")
+        check_fits(limits, tokens)
         if rpm is not None and window.requests + 1 > rpm:
             wait = window.wait_for(now, window.requests + 1 - rpm, "requests")
-            raise RateLimited("requests_per_min", wait,
-                              f"rate limit reached: {rpm} requests per minute")
+            raise requests_limited(rpm, wait)
         if tpm is not None and window.tokens + tokens > tpm:
             wait = window.wait_for(now, window.tokens + tokens - tpm, "tokens")
-            raise RateLimited("tokens_per_min", wait,
-                              f"rate limit reached: {tpm} tokens per minute (this request is "
-                              f"estimated at {tokens} tokens)")
+            raise tokens_limited(tpm, tokens, wait)
         charge = Charge(at=now, tokens=tokens)
         window.add(charge)
         return charge
+
+    async def charge(self, tenant: str, limits: TenantLimits, tokens: int) -> Charge:
+        """`admit` as a `Limiter` (it never waits)."""
+        return self.admit(tenant, limits, tokens)
+
+    def shared_state_status(self) -> dict[str, Any]:
+        return {"ok": True, "detail": "rate limits are kept by this replica (no gateway.redis)"}
 
     def settle(self, charge: Charge, actual_tokens: int) -> None:
         """Replace the estimate with what the request really used."""
@@ -192,5 +231,5 @@ def estimate_cost(prompt_tokens: int, max_tokens: int | None, recent_p90: int | 
     return CostEstimate(prompt_tokens, max(1, min(guess, room)))
 
 
-__all__ = ["Charge", "CostEstimate", "OutputEstimator", "RateLimited",
-           "RateLimiter", "estimate_cost"]
+__all__ = ["Charge", "CostEstimate", "Limiter", "OutputEstimator", "RateLimited",
+           "RateLimiter", "check_fits", "estimate_cost", "requests_limited", "tokens_limited"]

@@ -28,6 +28,7 @@ from gateway.dispatch import tick
 from gateway.jobs import JobManager
 from gateway.metrics import GatewayMetrics
 from gateway.service import Gateway
+from gateway.shared import make_limiter
 from gateway.state import AUTH, GATEWAY, JOBS, METRICS, SETTINGS, STORE
 from protocol.errors import ApiError
 from protocol.http import error_middleware
@@ -59,7 +60,8 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     metrics = GatewayMetrics()
     pool = BackendPool(backends or _backends(settings, engine, lambda: gw.dispatcher.pump()),
                        headroom=settings.dispatch_headroom)
-    gw = Gateway(settings, pool, _ledger(store, settings, database), metrics)
+    limiter, shared_state = make_limiter(settings.redis, metrics)
+    gw = Gateway(settings, pool, _ledger(store, settings, database), metrics, limiter)
     app[SETTINGS], app[STORE], app[METRICS] = settings, store, metrics
     app[GATEWAY] = gw
     app[AUTH] = Authenticator(store, settings.admin_key,
@@ -72,6 +74,8 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
                            None if gw.capture is None else gw.capture.window)
     app[JOBS].pool = pool
     app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker, _shadows, _jobs])
+    if shared_state is not None:  # Redis for the rate windows: stopped first, settles drained
+        app.cleanup_ctx.append(shared_state)
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     admin.add_routes(app)
@@ -255,6 +259,8 @@ async def readyz(request: web.Request) -> web.Response:
     checks = {"backends": {"ok": backends} if backends else
               {"ok": False, "detail": "no engine backend is reachable"},
               "database": {"ok": True} if database is None else
-              {"ok": False, "detail": database}}
+              {"ok": False, "detail": database},
+              # reported, not a reason to be unready: without Redis, limits are local
+              "shared_state": request.app[GATEWAY].limiter.shared_state_status()}
     ready = backends and database is None
     return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)

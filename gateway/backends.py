@@ -55,6 +55,11 @@ class BackendUnavailable(Exception):
         self.retry_after = retry_after
 
 
+class BackendUnreachable(BackendUnavailable):
+    """The backend could not be reached, or broke the exchange, before any byte of an answer:
+    the client has seen nothing, so another replica may take the request (once)."""
+
+
 @dataclass
 class Job:
     request_id: str
@@ -378,7 +383,7 @@ class RemoteBackend:
 
     def _unreachable(self, exc: UpstreamError) -> BackendUnavailable:
         self.mark_down(str(exc))  # until the next poll finds it again
-        return BackendUnavailable(f"engine backend {self.name} unreachable: {exc}",
+        return BackendUnreachable(f"engine backend {self.name} unreachable: {exc}",
                                   self.retry_after)
 
     def _timed_out(self, exc: UpstreamTimeout) -> ApiError:
@@ -553,6 +558,10 @@ class BackendPool:
     def model_names(self) -> list[str]:
         return list(dict.fromkeys(b.model_name for b in self.backends if b.model_name))
 
+    def serves(self, model: str) -> list[Backend]:
+        """The backends that serve `model` (one that has not said its model yet serves any)."""
+        return [b for b in self.backends if not b.model_name or b.model_name == model]
+
     def capacity(self) -> int:
         """Room of the backends that take work (seats and slack): what shares are shares of."""
         return sum(b.capacity() for b in self.backends if b.healthy)
@@ -562,9 +571,13 @@ class BackendPool:
         seats = backend.seats()
         return min(math.ceil(self.headroom * seats), seats - 1) if self.headroom > 0 else 0
 
-    def pick(self, keep_headroom: bool = False) -> Backend | None:
+    def pick(self, keep_headroom: bool = False, exclude: Backend | None = None,
+             model: str | None = None) -> Backend | None:
+        """The backend with most free room (`model`: among those serving it)."""
         best: Backend | None = None
         for b in self.backends:
+            if b is exclude or (model is not None and b.model_name and b.model_name != model):
+                continue
             if not b.has_room() or (keep_headroom and b.inflight >= b.seats() - self.reserved(b)):
                 continue
             if self.draining and b.name in self.draining:

@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.fairqueue import DISPATCH_POLICIES
+from gateway.shared import split_redis_url
 from protocol.openai import server_root
 from protocol.validators import (
     check_bool,
@@ -226,8 +227,13 @@ class GatewayConfig:
     # how long a shutdown keeps trying a database that is away before it spills (well inside
     # Kubernetes' default 30 s grace period, beside the streams it drains)
     usage_shutdown_flush_s: float = 10.0
+    # redis://host:port/db[?key_prefix=name]: the requests/min and tokens/min windows shared by
+    # every replica (gateway/shared.py); None: each replica keeps its own
+    redis: str | None = None
 
     def __post_init__(self) -> None:
+        if self.redis is not None:
+            split_redis_url(self.redis)
         check_choice("gateway.dispatch", self.dispatch, DISPATCH_POLICIES)
         check_int("gateway.port", self.port, low=0, high=65535)
         for name in ("max_body_bytes", "max_queued_requests", "max_queued_tokens",

@@ -17,6 +17,7 @@ no capacity idles while only one tenant has work.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 from gateway.backends import Backend, BackendPool
 from gateway.fairqueue import FairQueue, QueueBounds, QueuedRequest
@@ -28,6 +29,9 @@ class Dispatcher:
         self.queue = queue
         self.pool = pool
         self.metrics = metrics
+        # taken from the queue for a backend that does not serve their model (a pool of several
+        # models): they go first to the next backend with room that does
+        self.parked: deque[QueuedRequest] = deque()
 
     def submit(self, item: QueuedRequest, bounds: QueueBounds) -> asyncio.Future[Backend]:
         """Queue `item` (QueueFull when its tenant's queue is full); the future resolves to the
@@ -40,18 +44,43 @@ class Dispatcher:
         return future
 
     def pump(self) -> None:
+        if self.parked:
+            self._unpark()
         while self.queue.size:
             picked = self._next()
             if picked is None:
                 return
             item, backend = picked
             self._gauge(item)
-            future: asyncio.Future[Backend] = item.payload
-            if future.done():  # its waiter is gone; nothing ran
+            if item.model and backend.model_name and backend.model_name != item.model:
+                other = self.pool.pick(model=item.model)
+                if other is None:
+                    self.parked.append(item)
+                    continue
+                backend = other
+            self._hand(item, backend)
+
+    def _hand(self, item: QueuedRequest, backend: Backend) -> None:
+        future: asyncio.Future[Backend] = item.payload
+        if future.done():  # its waiter is gone; nothing ran
+            self.queue.finish(item, 0, 0)
+            return
+        backend.inflight += 1
+        future.set_result(backend)
+
+    def _unpark(self) -> None:
+        waiting: deque[QueuedRequest] = deque()
+        while self.parked:
+            item = self.parked.popleft()
+            if item.payload.done():
                 self.queue.finish(item, 0, 0)
                 continue
-            backend.inflight += 1
-            future.set_result(backend)
+            backend = self.pool.pick(model=item.model)
+            if backend is None:
+                waiting.append(item)
+            else:
+                self._hand(item, backend)
+        self.parked = waiting
 
     def _next(self) -> tuple[QueuedRequest, Backend] | None:
         """The request to dispatch and its backend: anyone's where seats outside the headroom
@@ -70,8 +99,24 @@ class Dispatcher:
         item = self.queue.pop(lambda tq: self.queue.under_share(tq, room, weight))
         return None if item is None else (item, backend)
 
+    def failover(self, item: QueuedRequest, failed: Backend, model: str | None) -> Backend | None:
+        """`item`'s backend failed before any byte of an answer: another with room that serves
+        its model takes it now (its slot moves; its tenant's counters are unchanged: it is the
+        same request), or None."""
+        other = self.pool.pick(exclude=failed, model=model)
+        if other is None:
+            return None
+        failed.inflight -= 1
+        other.inflight += 1
+        self.metrics.child("failovers", failed.name).inc()
+        return other
+
     def abandon(self, item: QueuedRequest) -> bool:
         """The waiter gave up (timeout, disconnect). True when it was still queued."""
+        if item in self.parked:
+            self.parked.remove(item)
+            self.queue.finish(item, 0, 0)
+            return True
         removed = self.queue.remove(item)
         if removed:
             self._gauge(item)

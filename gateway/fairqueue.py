@@ -72,6 +72,7 @@ class QueuedRequest:
     enqueued_at: float = 0.0
     dispatched_at: float = 0.0
     state: str = "new"  # new -> queued -> dispatched -> finished | removed
+    model: str | None = None  # only backends serving it may take it
 
     @property
     def cost(self) -> int:

@@ -64,6 +64,9 @@ class GatewayMetrics:
         self.inflight = Gauge("fairgate_gateway_backend_inflight",
                               "Requests dispatched to a backend and unfinished", ["backend"],
                               registry=r)
+        self.failovers = Counter("fairgate_gateway_failovers_total",
+                                 "Requests moved to another replica after theirs failed before "
+                                 "any byte of an answer", ["backend"], registry=r)
         # shadow traffic (gateway/shadow.py): copies, never part of a tenant's figures
         self.shadow_sent = Counter("fairgate_gateway_shadow_sent_total",
                                    "Copies of live requests sent to a shadow target", ["shadow"],

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.backends import Backend, BackendUnavailable
+from gateway.backends import Backend, BackendUnavailable, BackendUnreachable
 from gateway.service import Admission
 from gateway.state import AUTH, GATEWAY, SETTINGS
 from protocol.errors import ApiError
@@ -72,10 +72,22 @@ async def _handle(request: web.Request, endpoint: str) -> web.StreamResponse:
         # The request timeout is a deadline the stream itself checks: one that passes after the
         # first byte must end the stream with an error event, not just stop writing.
         deadline = asyncio.get_running_loop().time() + gw.config.request_timeout_s
-        if req.stream:
-            return await _stream(request, adm, backend, deadline)
-        async with asyncio.timeout_at(deadline):
-            return await _whole(adm, backend)
+        for retried in (False, True):
+            try:
+                if req.stream:
+                    return await _stream(request, adm, backend, deadline)
+                async with asyncio.timeout_at(deadline):
+                    return await _whole(adm, backend)
+            except BackendUnreachable:
+                # nothing reached the client: another replica takes it, once
+                other = None if retried else gw.dispatcher.failover(adm.item, backend,
+                                                                    req.model)
+                if other is None:
+                    raise
+                log.warning("failover: %s was unreachable before answering; %s takes the "
+                            "request", backend.name, other.name)
+                backend = adm.backend = other
+        raise AssertionError("unreachable")  # the loop returns or raises
     except ApiError as exc:
         adm.settle(exc.status)
         raise

@@ -20,6 +20,7 @@ from engine.openai_api import sampling_params
 from gateway.admission import (
     Charge,
     CostEstimate,
+    Limiter,
     OutputEstimator,
     RateLimited,
     RateLimiter,
@@ -93,7 +94,7 @@ class Admission:
 
 class Gateway:
     def __init__(self, config: GatewayConfig, pool: BackendPool, ledger: UsageLedger | None,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, limiter: Limiter | None = None) -> None:
         self.config = config
         self.shadows = ShadowSet(config.shadow, metrics)
         self.served = ServedWindow()  # live requests by backend: what a canary is judged on
@@ -101,7 +102,7 @@ class Gateway:
         self.pool = pool
         self.ledger = ledger
         self.metrics = metrics
-        self.limiter = RateLimiter()
+        self.limiter: Limiter = limiter or RateLimiter()  # gateway.shared: through Redis
         self.estimator = OutputEstimator()
         self.queue = FairQueue(config.dispatch)
         self.dispatcher = Dispatcher(self.queue, self.pool, metrics)
@@ -119,12 +120,12 @@ class Gateway:
                            code="priority_not_allowed", param="priority")
         cost, max_tokens = await self._estimate(tenant, req)
         params = sampling_params(req, max_tokens)  # the engine's rules, before any charge
-        charge = self._charge(tenant, cost)
+        charge = await self._charge(tenant, cost)
         job = Job(f"{_ID_PREFIX}-{next(_ids)}", req, tenant.name, priority,
                   cost.prompt_tokens, params, tenant.weight,
                   default_max_tokens=req.max_tokens is None and tenant.limits.max_tokens is None)
         item = QueuedRequest(tenant.name, cost.prompt_tokens, cost.output_tokens, priority,
-                             tenant.weight)
+                             tenant.weight, model=req.model)
         adm = Admission(self, principal, job, cost, charge, item, time.perf_counter(),
                         time.time())
         try:
@@ -150,6 +151,11 @@ class Gateway:
             raise ApiError(404, f"The model {req.model!r} does not exist; this gateway serves: "
                            f"{', '.join(names) or 'none yet'}", code="model_not_found",
                            param="model")
+        if not any(b.healthy for b in self.pool.serves(req.model)):
+            serving = ", ".join(b.name for b in self.pool.serves(req.model))
+            raise ApiError(503, f"the model {req.model!r} is served by {serving}, none of them "
+                           "reachable now; try again shortly", code="model_unavailable",
+                           retry_after=self.config.backend_retry_after_s)
         if self.ledger is not None and self.ledger.pending >= 2 * self.ledger.max_pending:
             raise ApiError(503, "usage recording is behind; try again shortly",
                            code="ledger_full", retry_after=1.0)
@@ -184,9 +190,9 @@ class Gateway:
                 log.warning("output-length history unavailable: %s", type(exc).__name__)
         self.estimator.seed(tenant, value)
 
-    def _charge(self, tenant: TenantInfo, cost: CostEstimate) -> Charge:
+    async def _charge(self, tenant: TenantInfo, cost: CostEstimate) -> Charge:
         try:
-            return self.limiter.admit(tenant.name, tenant.limits, cost.total)
+            return await self.limiter.charge(tenant.name, tenant.limits, cost.total)
         except RateLimited as exc:
             self.metrics.child("rejections", tenant.name, exc.reason).inc()
             raise ApiError(429, str(exc), code=exc.reason if exc.retry_after is not None
@@ -203,7 +209,9 @@ class Gateway:
 
     # ---- the end of every request ------------------------------------------------------------
     def finish(self, adm: Admission, status: int) -> None:
-        if adm.backend is None and adm.item.state == "dispatched":
+        payload = adm.item.payload
+        if adm.backend is None and adm.item.state == "dispatched" and payload.done() \
+                and not payload.cancelled():  # (a parked item has no backend yet)
             # Dispatched in the same turn the waiter was cancelled: give the slot back.
             self.dispatcher.release(adm.item, adm.item.payload.result(), 0, 0)
             adm.item.state = "removed"

@@ -55,10 +55,6 @@ async def test_engine_killed_mid_stream_ends_its_stream_cleanly(
     await assert_usage_matches(database_url, [victim, survivor, *after])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "no failover yet (issue 18: a backend that fails before the first byte is retried once on "
-    "another replica): a request dispatched to an engine that refuses the connection (nothing "
-    "was sent) is answered 503 backend_unavailable instead of going to the healthy engine"))
 async def test_request_right_after_the_kill_goes_to_the_other_engine(
         cluster: StartCluster, session: aiohttp.ClientSession, database_url: str) -> None:
     # Health checks far apart: the request after the kill comes before any of them notices.

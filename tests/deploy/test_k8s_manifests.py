@@ -1,0 +1,265 @@
+"""deploy/k8s: each overlay renders with `kubectl kustomize`, every rendered object is valid
+against the Kubernetes JSON schemas (offline, `kubernetes-validate`), and the render holds what
+a working install needs: probes on the engine's paths, an HPA that does not scale on CPU alone,
+a PDB, the Secrets the pods name, and a fairgate.yaml the project's loader accepts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from engine.config import EngineConfig
+from fairgate.config import FairgateConfig, load_config_file, section
+from gateway.config import GatewayConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S_DIR = ROOT / "deploy" / "k8s"
+OVERLAYS = ("cpu-demo", "gpu")
+K8S_VERSION = "1.32.0"  # the kubectl here; kubernetes-validate bundles its schemas
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+NO_KUBECTL = "kubectl is not installed: it renders the overlays (`kubectl kustomize`)"
+NO_VALIDATOR = ("kubernetes-validate is not installed: add it to the dev extras "
+                "(pip install 'kubernetes-validate>=1.32') to check the manifests' schemas")
+
+
+def kubectl() -> str:
+    path = shutil.which("kubectl")
+    if path is None:
+        pytest.skip(NO_KUBECTL)
+    return path
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    result = subprocess.run([kubectl(), "kustomize", str(K8S_DIR / "overlays" / overlay)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"kubectl kustomize {overlay} failed:\n{result.stderr}"
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return render(request.param)
+
+
+@pytest.fixture(scope="module")
+def validator() -> Any:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason=NO_VALIDATOR)
+    return kubernetes_validate
+
+
+def objects(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [doc for doc in objects(docs, kind) if doc["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def containers(pod_owner: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    spec = pod_owner["spec"]["template"]["spec"]
+    yield from spec.get("initContainers", [])
+    yield from spec["containers"]
+
+
+def container(pod_owner: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in containers(pod_owner) if c["name"] == name)
+
+
+def config_map_file(docs: list[dict[str, Any]], volume_owner: dict[str, Any],
+                    volume: str, key: str) -> str:
+    """The text of `key` in the ConfigMap that `volume` of a pod template mounts."""
+    volumes = {v["name"]: v for v in volume_owner["spec"]["template"]["spec"]["volumes"]}
+    name = volumes[volume]["configMap"]["name"]  # kustomize's hashed name
+    return one(docs, "ConfigMap", name)["data"][key]
+
+
+def test_every_object_matches_the_kubernetes_schema(rendered: list[dict[str, Any]],
+                                                    validator: Any) -> None:
+    checked = 0
+    for doc in rendered:
+        if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
+            continue  # no schema bundled for CRDs: checked structurally below
+        validator.validate(doc, K8S_VERSION, strict=True)  # raises naming the bad field
+        checked += 1
+    assert checked >= 10
+
+
+def test_the_validator_rejects_a_broken_object(rendered: list[dict[str, Any]],
+                                               validator: Any) -> None:
+    # the check above is only worth something if a mistake fails it
+    deployment = yaml.safe_load(yaml.safe_dump(one(rendered, "Deployment", "fairgate-engine")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"][
+        "pathh"] = "/readyz"
+    with pytest.raises(validator.ValidationError):
+        validator.validate(deployment, K8S_VERSION, strict=True)
+
+
+def test_service_monitors_are_well_formed(rendered: list[dict[str, Any]]) -> None:
+    monitors = objects(rendered, "ServiceMonitor")
+    assert {m["metadata"]["name"] for m in monitors} == {"fairgate-engine", "fairgate-gateway"}
+    services = objects(rendered, "Service")
+    for monitor in monitors:
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        labels = monitor["spec"]["selector"]["matchLabels"]
+        matching = [s for s in services
+                    if labels.items() <= s["metadata"].get("labels", {}).items()]
+        assert len(matching) == 1, f"{monitor['metadata']['name']} selects {len(matching)} Services"
+        port_names = {p["name"] for p in matching[0]["spec"]["ports"]}
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["port"] in port_names
+            assert endpoint["path"] == "/metrics"
+
+
+def test_engine_probes_use_the_engine_paths(rendered: list[dict[str, Any]]) -> None:
+    engine = container(one(rendered, "Deployment", "fairgate-engine"), "engine")
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert engine["args"][0] == "engine" and "0.0.0.0" in engine["args"]
+    gateway = container(one(rendered, "Deployment", "fairgate-gateway"), "gateway")
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_hpa_scales_engines_on_load_not_cpu_alone(rendered: list[dict[str, Any]]) -> None:
+    hpa = one(rendered, "HorizontalPodAutoscaler", "fairgate-engine")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": "fairgate-engine"}
+    load_metrics = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]
+                    if m["type"] == "Pods"}
+    assert load_metrics & {"fairgate_engine_requests_waiting",
+                           "fairgate_engine_kv_cache_usage_ratio"}
+    assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+
+
+def test_hpa_metrics_are_series_the_engine_exports(rendered: list[dict[str, Any]]) -> None:
+    from tests.deploy.exposition import engine_names
+
+    hpa = one(rendered, "HorizontalPodAutoscaler", "fairgate-engine")
+    for metric in hpa["spec"]["metrics"]:
+        if metric["type"] == "Pods":
+            assert metric["pods"]["metric"]["name"] in engine_names()
+
+
+def test_a_pdb_guards_the_engines(rendered: list[dict[str, Any]]) -> None:
+    pdb = one(rendered, "PodDisruptionBudget", "fairgate-engine")
+    engine = one(rendered, "Deployment", "fairgate-engine")
+    labels = engine["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert "maxUnavailable" in pdb["spec"] or "minAvailable" in pdb["spec"]
+
+
+def test_every_secret_key_a_pod_names_is_rendered(rendered: list[dict[str, Any]]) -> None:
+    secrets = {s["metadata"]["name"]: s for s in objects(rendered, "Secret")}
+    named = 0
+    for owner in objects(rendered, "Deployment"):
+        for c in containers(owner):
+            for env in c.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref is None:
+                    continue
+                assert ref["name"] in secrets, f"{owner['metadata']['name']}: no Secret {ref}"
+                secret = secrets[ref["name"]]
+                keys = set(secret.get("stringData", {})) | set(secret.get("data", {}))
+                assert ref["key"] in keys, f"Secret {ref['name']} has no key {ref['key']}"
+                named += 1
+    gateway_env = {e["name"] for c in containers(one(rendered, "Deployment", "fairgate-gateway"))
+                   for e in c.get("env", [])}
+    assert {"FAIRGATE_KEY_SECRET", "FAIRGATE_ADMIN_KEY", "PGPASSWORD"} <= gateway_env
+    assert named >= 3
+
+
+def test_gateway_config_renders_and_loads(rendered: list[dict[str, Any]],
+                                          tmp_path: Path) -> None:
+    """Run the gateway's render-config init container's own command on the ConfigMap, with the
+    Secret's values in the environment, and load its output as `fairgate serve` would."""
+    gateway = one(rendered, "Deployment", "fairgate-gateway")
+    template = tmp_path / "template.yaml"
+    template.write_text(config_map_file(rendered, gateway, "config-template", "fairgate.yaml"))
+    init = container(gateway, "render-config")
+    program, flag, code, src, dst = init["command"]
+    assert (program, flag) == ("python", "-c")
+    assert Path(dst) == Path(container(gateway, "gateway")["args"][-1])
+    secret = one(rendered, "Secret", "fairgate-secrets")["stringData"]
+    env = dict(os.environ)
+    for item in init["env"]:
+        env[item["name"]] = secret[item["valueFrom"]["secretKeyRef"]["key"]]
+    output = tmp_path / "fairgate.yaml"
+    subprocess.run([sys.executable, "-c", code, str(template), str(output)], env=env,
+                   check=True, timeout=60)
+
+    data = load_config_file(output)
+    gateway_config = GatewayConfig.from_dict(section(data, "gateway"))
+    assert gateway_config.admin_key == secret["admin-key"]
+    assert gateway_config.host == "0.0.0.0" and gateway_config.metrics_host == "0.0.0.0"
+    assert [b.url for b in gateway_config.backends] == ["http://fairgate-engine:8100"]
+    assert gateway_config.redis == "redis://fairgate-redis:6379/0"
+    assert FairgateConfig.from_dict(data).database.startswith("postgresql+asyncpg://")
+    ports = {p["containerPort"] for p in container(gateway, "gateway")["ports"]}
+    assert {gateway_config.port, gateway_config.metrics_port} == ports
+
+
+def test_engine_config_loads(rendered: list[dict[str, Any]], tmp_path: Path) -> None:
+    engine = one(rendered, "Deployment", "fairgate-engine")
+    path = tmp_path / "engine.yaml"
+    path.write_text(config_map_file(rendered, engine, "config", "engine.yaml"))
+    EngineConfig.from_dict(section(load_config_file(path), "engine"))
+
+
+def test_cpu_demo_runs_two_simulated_engines(tmp_path: Path) -> None:
+    docs = render("cpu-demo")
+    engine = one(docs, "Deployment", "fairgate-engine")
+    assert engine["spec"]["replicas"] == 2
+    assert one(docs, "HorizontalPodAutoscaler", "fairgate-engine")["spec"]["minReplicas"] == 2
+    path = tmp_path / "engine.yaml"
+    path.write_text(config_map_file(docs, engine, "config", "engine.yaml"))
+    config = EngineConfig.from_dict(section(load_config_file(path), "engine"))
+    assert (config.executor, config.sim_clock) == ("sim", "realtime")
+    resources = container(engine, "engine")["resources"]
+    assert "nvidia.com/gpu" not in resources.get("limits", {})
+    # the database and Redis the base config names are part of the demo
+    one(docs, "Service", "fairgate-postgres")
+    one(docs, "Service", "fairgate-redis")
+
+
+def test_gpu_overlay_asks_for_a_gpu_and_loads_a_checkpoint(tmp_path: Path) -> None:
+    docs = render("gpu")
+    engine = one(docs, "Deployment", "fairgate-engine")
+    spec = engine["spec"]["template"]["spec"]
+    resources = container(engine, "engine")["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == 1
+    assert spec["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+    path = tmp_path / "engine.yaml"
+    path.write_text(config_map_file(docs, engine, "config", "engine.yaml"))
+    config = EngineConfig.from_dict(section(load_config_file(path), "engine"))
+    assert config.executor == "torch" and config.model.startswith("/models/")
+    mounts = {m["mountPath"] for m in container(engine, "engine")["volumeMounts"]}
+    assert "/models" in mounts
+    claim = next(v for v in spec["volumes"] if v["name"] == "models")
+    one(docs, "PersistentVolumeClaim", claim["persistentVolumeClaim"]["claimName"])
+    assert all(c["image"].endswith(":cuda") for c in containers(engine))
+
+
+def test_base_asks_for_no_gpu() -> None:
+    engine = (K8S_DIR / "base" / "engine.yaml").read_text()
+    docs = [d for d in yaml.safe_load_all(engine) if d]
+    deployment = one(docs, "Deployment", "fairgate-engine")
+    assert "nvidia.com/gpu" not in str(container(deployment, "engine")["resources"])
+
+
+def test_the_prometheus_adapter_serves_the_hpa_metrics(rendered: list[dict[str, Any]]) -> None:
+    values = yaml.safe_load((K8S_DIR / "prometheus-adapter-values.yaml").read_text())
+    served = {rule["name"]["as"] for rule in values["rules"]["custom"]}
+    hpa = one(rendered, "HorizontalPodAutoscaler", "fairgate-engine")
+    wanted = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    assert wanted <= served, f"no adapter rule for {wanted - served}"

@@ -1,0 +1,93 @@
+"""Routing over engine replicas: a request goes only to backends serving its model; a backend
+that fails before any byte of an answer hands the request to another replica, once."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.server import make_app as make_engine_app
+from tests.gateway.helpers import collect, completion, start_gateway
+from tests.support.waiting import wait_for
+from tuner.fake_server import SCRIPT, make_fake_app
+
+REALTIME = EngineConfig(executor="sim", max_model_len=512)
+
+
+async def _fake(aiohttp_server: Any, model: str) -> Any:
+    return await aiohttp_server(make_fake_app(model=model, output_tokens=4))
+
+
+async def _ready(h: Any, n: int) -> None:
+    await wait_for(lambda: sum(b.healthy and bool(b.model_name)
+                               for b in h.gateway.pool.backends) == n, timeout=10)
+
+
+async def test_each_request_goes_to_a_backend_serving_its_model(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str) -> None:
+    a, b = await _fake(aiohttp_server, "model-a"), await _fake(aiohttp_server, "model-b")
+    h = await start_gateway(aiohttp_client, db_url, gateway={"backends": [
+        {"url": str(a.make_url("/")), "kind": "openai"},
+        {"url": str(b.make_url("/")), "kind": "openai"}]})
+    await _ready(h, 2)
+    models = await (await h.client.get("/v1/models", headers={
+        "Authorization": f"Bearer {h.keys['acme']}"})).json()
+    assert sorted(m["id"] for m in models["data"]) == ["model-a", "model-b"]
+
+    async def ask(model: str) -> int:  # the fake server always streams
+        resp = await h.post("acme", {**completion("hi", stream=True), "model": model})
+        [_ async for _ in collect(resp)]
+        return int(resp.status)
+
+    # 12 for one model, 4 for the other, all at once: by load alone they would split evenly
+    statuses = await asyncio.gather(*(ask(m) for m in ["model-a"] * 12 + ["model-b"] * 4))
+    assert statuses == [200] * 16
+    got_a, got_b = a.app[SCRIPT].received, b.app[SCRIPT].received
+    assert len(got_a) == 12 and len(got_b) == 4
+    assert {r["prompt"] for r in got_a} == {r["prompt"] for r in got_b} == {"hi"}
+    unknown = await h.post("acme", {**completion("hi"), "model": "model-c"})
+    assert unknown.status == 404 and (await unknown.json())["error"]["code"] == "model_not_found"
+    # model-b's only backend goes away: its requests are a 503 that says so, model-a serves on
+    await b.close()
+    backend_b = h.gateway.pool.backends[1]
+    await wait_for(lambda: not backend_b.healthy, timeout=10)
+    down = await h.post("acme", {**completion("hi"), "model": "model-b"})
+    body = await down.json()
+    assert down.status == 503 and body["error"]["code"] == "model_unavailable"
+    assert "Retry-After" in down.headers and "model-b" in body["error"]["message"]
+    assert await ask("model-a") == 200
+
+
+async def test_a_backend_unreachable_before_answering_hands_the_request_on_once(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str) -> None:
+    engines = [await aiohttp_server(make_engine_app(AsyncEngine(REALTIME))) for _ in range(2)]
+    gone, live = engines
+    h = await start_gateway(aiohttp_client, db_url, gateway={
+        "backend_poll_interval_s": 5.0, "backends": [
+            {"url": str(gone.make_url("/"))}, {"url": str(live.make_url("/"))}]})
+    await _ready(h, 2)
+    await gone.close()  # refused from now on; the next health check is seconds away
+    first = h.gateway.pool.backends[0]
+    assert first.healthy
+    statuses = []
+    for stream in (True, False, True):
+        resp = await h.post("acme", completion("hi", stream=stream))
+        if stream:
+            [_ async for _ in collect(resp)]
+        else:
+            await resp.read()
+        statuses.append(resp.status)
+    assert statuses == [200, 200, 200]
+    assert h.gateway.metrics.registry.get_sample_value(
+        "fairgate_gateway_failovers_total", {"backend": first.name}) == 1  # then it was down
+    assert not first.healthy
+    # both gone: one retry at most, then the 503 says why
+    await live.close()
+    second = h.gateway.pool.backends[1]
+    second.healthy = first.healthy = True  # as if the health checks had not noticed either
+    resp = await h.post("acme", completion("hi"))
+    assert resp.status == 503 and (await resp.json())["error"]["code"] == "backend_unavailable"
+    assert h.gateway.metrics.registry.get_sample_value(
+        "fairgate_gateway_failovers_total", {"backend": first.name}) == 2
