@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -525,6 +526,13 @@ async def _upstream_error(resp: Response, retry_after: float) -> Exception:
     return ApiError(resp.status, message, code=err.get("code"), param=err.get("param"))
 
 
+def _ring_point(key: int, name: str) -> int:
+    """Where `name` sits on `key`'s ring (rendezvous hashing: the same order for a key on
+    every gateway replica, and a backend that leaves moves only its own keys)."""
+    digest = hashlib.blake2b(f"{key}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
 class BackendPool:
     """All backends; dispatch goes to the one with most free room.
 
@@ -557,6 +565,23 @@ class BackendPool:
 
     def model_names(self) -> list[str]:
         return list(dict.fromkeys(b.model_name for b in self.backends if b.model_name))
+
+    def pick_affine(self, key: int, model: str | None, load_factor: float) -> Backend | None:
+        """Consistent hashing with bounded loads: the first backend on `key`'s ring order that
+        has room and whose in-flight count stays within `load_factor` x the average after this
+        request; None when none does (the caller takes the least loaded)."""
+        candidates = [b for b in self.backends
+                      if (model is None or not b.model_name or b.model_name == model)
+                      and not (self.draining and b.name in self.draining)]
+        if not candidates:
+            return None
+        total = sum(b.inflight for b in candidates) + 1
+        bound = math.ceil(load_factor * total / len(candidates))
+        ring = sorted(candidates, key=lambda b: _ring_point(key, b.name))
+        for b in ring:
+            if b.has_room() and b.inflight + 1 <= bound:
+                return b
+        return None
 
     def serves(self, model: str) -> list[Backend]:
         """The backends that serve `model` (one that has not said its model yet serves any)."""

@@ -24,6 +24,7 @@ from protocol.validators import (
 )
 
 BACKEND_KINDS = ("fairgate", "openai")
+ROUTING_POLICIES = ("least_loaded", "prefix")
 # A streamed answer's first token may wait for the engine's queue and a long prompt's prefill
 # (a 128k-token prompt on a 70B model: tens of seconds); once tokens flow, a gap of 30 s is
 # 100 times a slow decode step. Both end a hung engine's hold on a request long before
@@ -187,6 +188,12 @@ class GatewayConfig:
     capture: CaptureConfig | None = None  # live traffic written as a fairgate trace
     jobs: JobsConfig = JobsConfig()  # tuning jobs through /admin/tune-jobs
     dispatch: str = "fair"  # fair (priority class, then weighted VTC) | fcfs (the baseline)
+    # which replica takes a request: least_loaded (most free room), or prefix: requests sharing
+    # their prompt's first characters (and tenant, the cache salt) go to the same replica while
+    # its load stays within prefix_load_factor x the average (consistent hashing, bounded loads)
+    routing: str = "least_loaded"
+    prefix_load_factor: float = 1.25
+    prefix_chars: int = 2048  # of the prompt's text that make the affinity key
     tokenizer: str | None = None  # tokenizer.json for counting prompts sent to remote backends
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 600.0  # one request, end to end, once dispatched
@@ -235,6 +242,9 @@ class GatewayConfig:
         if self.redis is not None:
             split_redis_url(self.redis)
         check_choice("gateway.dispatch", self.dispatch, DISPATCH_POLICIES)
+        check_choice("gateway.routing", self.routing, ROUTING_POLICIES)
+        check_number("gateway.prefix_load_factor", self.prefix_load_factor, low=1)
+        check_positive_int("gateway.prefix_chars", self.prefix_chars)
         check_int("gateway.port", self.port, low=0, high=65535)
         for name in ("max_body_bytes", "max_queued_requests", "max_queued_tokens",
                      "default_output_tokens"):

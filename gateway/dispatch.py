@@ -25,10 +25,12 @@ from gateway.metrics import GatewayMetrics
 
 
 class Dispatcher:
-    def __init__(self, queue: FairQueue, pool: BackendPool, metrics: GatewayMetrics) -> None:
+    def __init__(self, queue: FairQueue, pool: BackendPool, metrics: GatewayMetrics,
+                 load_factor: float = 1.25) -> None:
         self.queue = queue
         self.pool = pool
         self.metrics = metrics
+        self.load_factor = load_factor  # prefix routing's bound on a replica's load
         # taken from the queue for a backend that does not serve their model (a pool of several
         # models): they go first to the next backend with room that does
         self.parked: deque[QueuedRequest] = deque()
@@ -52,6 +54,9 @@ class Dispatcher:
                 return
             item, backend = picked
             self._gauge(item)
+            if item.affinity is not None:  # the replica that likely holds its prefix
+                backend = self.pool.pick_affine(item.affinity, item.model,
+                                                self.load_factor) or backend
             if item.model and backend.model_name and backend.model_name != item.model:
                 other = self.pool.pick(model=item.model)
                 if other is None:

@@ -73,6 +73,7 @@ class QueuedRequest:
     dispatched_at: float = 0.0
     state: str = "new"  # new -> queued -> dispatched -> finished | removed
     model: str | None = None  # only backends serving it may take it
+    affinity: int | None = None  # prefix routing: its prompt's key (None: least loaded)
 
     @property
     def cost(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import os
@@ -36,7 +37,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.shadow import ShadowSet
 from protocol.errors import ApiError, bad_request
 from protocol.measures import SLO, RequestTiming
-from protocol.openai import OpenAIRequest, resolve_max_tokens
+from protocol.openai import OpenAIRequest, prompt_text, resolve_max_tokens
 from tenants import LedgerFullError, Principal, TenantInfo, UsageEvent, UsageLedger
 
 log = logging.getLogger("fairgate.gateway")
@@ -105,7 +106,7 @@ class Gateway:
         self.limiter: Limiter = limiter or RateLimiter()  # gateway.shared: through Redis
         self.estimator = OutputEstimator()
         self.queue = FairQueue(config.dispatch)
-        self.dispatcher = Dispatcher(self.queue, self.pool, metrics)
+        self.dispatcher = Dispatcher(self.queue, self.pool, metrics, config.prefix_load_factor)
 
     # ---- admission --------------------------------------------------------------------------
     async def admit(self, principal: Principal, req: OpenAIRequest) -> tuple[
@@ -125,7 +126,7 @@ class Gateway:
                   cost.prompt_tokens, params, tenant.weight,
                   default_max_tokens=req.max_tokens is None and tenant.limits.max_tokens is None)
         item = QueuedRequest(tenant.name, cost.prompt_tokens, cost.output_tokens, priority,
-                             tenant.weight, model=req.model)
+                             tenant.weight, model=req.model, affinity=self._affinity(tenant, req))
         adm = Admission(self, principal, job, cost, charge, item, time.perf_counter(),
                         time.time())
         try:
@@ -138,6 +139,15 @@ class Gateway:
             self.shadows.offer(job.request_id, req.body, req.endpoint, tenant.name, priority,
                                SLO(tenant.slo_ttft_p99_s, tenant.slo_itl_p99_s))
         return adm, future
+
+    def _affinity(self, tenant: TenantInfo, req: OpenAIRequest) -> int | None:
+        """Prefix routing's key: the tenant (the prefix cache's salt) and the prompt's first
+        characters; None with least-loaded routing or one backend."""
+        if self.config.routing != "prefix" or len(self.pool.backends) < 2:
+            return None
+        head = prompt_text(req)[:self.config.prefix_chars]
+        digest = hashlib.blake2b(f"{tenant.name}\x00{head}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big")
 
     def _check_ready(self, req: OpenAIRequest) -> None:
         if not self.pool.healthy:

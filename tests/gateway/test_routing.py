@@ -91,3 +91,51 @@ async def test_a_backend_unreachable_before_answering_hands_the_request_on_once(
     assert resp.status == 503 and (await resp.json())["error"]["code"] == "backend_unavailable"
     assert h.gateway.metrics.registry.get_sample_value(
         "fairgate_gateway_failovers_total", {"backend": first.name}) == 2
+
+
+async def test_prefix_routing_keeps_a_prefix_on_one_replica_within_a_load_bound(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str) -> None:
+    fakes = [await aiohttp_server(make_fake_app(model="m", output_tokens=4, ttft=0.05))
+             for _ in range(2)]
+    h = await start_gateway(aiohttp_client, db_url, gateway={
+        "routing": "prefix", "prefix_load_factor": 1.25, "backends": [
+            {"url": str(f.make_url("/")), "kind": "openai", "max_inflight": 64}
+            for f in fakes]})
+    await _ready(h, 2)
+
+    async def ask(prompt: str) -> int:
+        resp = await h.post("acme", {**completion(prompt, stream=True), "model": "m"})
+        [_ async for _ in collect(resp)]
+        return int(resp.status)
+
+    prompts = [f"system prompt {i}: you are a helpful assistant. " * 4 for i in range(12)]
+    for _ in range(3):  # one at a time: every replica is lightly loaded
+        assert [await ask(p) for p in prompts] == [200] * 12
+
+    def where(prompt: str) -> set[int]:
+        return {i for i, f in enumerate(fakes) if any(r["prompt"] == prompt
+                                                      for r in f.app[SCRIPT].received)}
+
+    assert all(len(where(p)) == 1 for p in prompts)  # each prefix stuck to one replica
+    # and the prefixes spread over both (least-loaded routing would put every one of these
+    # sequential requests on the first replica; 12 keys all hashing to one is 1 in 2,048)
+    assert {i for p in prompts for i in where(p)} == {0, 1}
+    # a hot prefix, 16 at once: the bound (1.25 x the average) spreads it over both
+    for f in fakes:
+        f.app[SCRIPT].received.clear()
+    assert await asyncio.gather(*(ask(prompts[0]) for _ in range(16))) == [200] * 16
+    counts = [len(f.app[SCRIPT].received) for f in fakes]
+    assert sum(counts) == 16 and min(counts) >= 4, counts
+
+
+def test_routing_settings_are_checked() -> None:
+    from gateway.config import GatewayConfig
+
+    for bad, message in (({"routing": "random"}, "routing"),
+                         ({"prefix_load_factor": 0.5}, "prefix_load_factor")):
+        try:
+            GatewayConfig.from_dict(bad)
+        except ValueError as exc:
+            assert message in str(exc)
+        else:
+            raise AssertionError(f"{bad} was accepted")
