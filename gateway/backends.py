@@ -33,7 +33,13 @@ from typing import Any, Protocol
 from engine.request import SamplingParams
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from gateway.config import DEFAULT_FIRST_BYTE_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, BackendConfig
-from gateway.upstream import Response, UpstreamError, UpstreamPool, UpstreamTimeout
+from gateway.upstream import (
+    Response,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamTimeout,
+)
 from protocol.errors import ApiError
 from protocol.openai import (
     OpenAIRequest,
@@ -57,8 +63,8 @@ class BackendUnavailable(Exception):
 
 
 class BackendUnreachable(BackendUnavailable):
-    """The backend could not be reached, or broke the exchange, before any byte of an answer:
-    the client has seen nothing, so another replica may take the request (once)."""
+    """No connection to the backend could be made: nothing was sent and the client has seen
+    nothing, so another replica may take the request (once)."""
 
 
 @dataclass
@@ -383,9 +389,13 @@ class RemoteBackend:
         return HEALTH_INTERVAL_S if self.healthy else None
 
     def _unreachable(self, exc: UpstreamError) -> BackendUnavailable:
-        self.mark_down(str(exc))  # until the next poll finds it again
-        return BackendUnreachable(f"engine backend {self.name} unreachable: {exc}",
-                                  self.retry_after)
+        """Down until the next poll finds it again. Only a request that never left (no
+        connection could be made) may go to another replica: one cut after it was sent may
+        have run there already."""
+        self.mark_down(str(exc))
+        kind = BackendUnreachable if isinstance(exc, UpstreamConnectError) else \
+            BackendUnavailable
+        return kind(f"engine backend {self.name} unreachable: {exc}", self.retry_after)
 
     def _timed_out(self, exc: UpstreamTimeout) -> ApiError:
         """A backend that stopped answering answers no one: down until a health check
@@ -564,7 +574,8 @@ class BackendPool:
         return min(b.max_model_len for b in self.backends)
 
     def model_names(self) -> list[str]:
-        return list(dict.fromkeys(b.model_name for b in self.backends if b.model_name))
+        names = (getattr(b, "model_name", "") for b in self.backends)  # test doubles may lack it
+        return list(dict.fromkeys(n for n in names if n))
 
     def pick_affine(self, key: int, model: str | None, load_factor: float) -> Backend | None:
         """Consistent hashing with bounded loads: the first backend on `key`'s ring order that

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import logging
 import time
 from importlib import resources
 from typing import Any
@@ -30,6 +31,7 @@ from gateway.state import AUTH, GATEWAY, JOBS, METRICS, STORE
 from protocol.errors import ApiError, bad_request
 from tenants.slo_views import hour_p99s, period_counts, tenant_series, tenant_slo
 
+log = logging.getLogger("fairgate.gateway")
 MAX_SERIES_HOURS = 24 * 7
 # the engine signs of trouble (README, "what to watch"): each a test on one backend's /load
 PROBLEMS = (
@@ -42,6 +44,7 @@ PROBLEMS = (
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/dashboard", page)
+    app.router.add_get("/dashboard/app.js", script)
     app.router.add_get("/dashboard/login", login_form)
     app.router.add_post("/dashboard/login", login)
     app.router.add_post("/dashboard/logout", logout)
@@ -56,9 +59,10 @@ def _page_text(name: str) -> str:
 
 
 _HEADERS = {"Cache-Control": "no-store", "X-Frame-Options": "DENY",
-            "Content-Security-Policy": "default-src 'self'; script-src 'self' 'unsafe-inline'; "
+            # scripts only from this gateway's own file: no inline script, no handler attribute
+            "Content-Security-Policy": "default-src 'self'; script-src 'self'; "
                                        "style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
-                                       "frame-ancestors 'none'",
+                                       "frame-ancestors 'none'; form-action 'self'",
             "Referrer-Policy": "same-origin"}  # "no-referrer" makes a form's Origin "null"
 
 
@@ -76,6 +80,12 @@ async def page(request: web.Request) -> web.StreamResponse:
     return web.Response(text=html, content_type="text/html", headers=_HEADERS)
 
 
+async def script(request: web.Request) -> web.Response:
+    """The page's script (no secrets in it: served to anyone, as the login form is)."""
+    text = await asyncio.to_thread(_page_text, "app.js")
+    return web.Response(text=text, content_type="text/javascript", headers=_HEADERS)
+
+
 async def login_form(request: web.Request) -> web.Response:
     failed = request.query.get("failed") == "1"
     html = (await asyncio.to_thread(_page_text, "login.html")).replace(
@@ -84,9 +94,21 @@ async def login_form(request: web.Request) -> web.Response:
 
 
 def _same_origin(request: web.Request) -> bool:
-    """A form posted from this gateway's own page (Origin, when the browser sends it)."""
+    """A form posted from this gateway's own page (Origin, when the browser sends it): the
+    same host and port; the scheme may differ behind a proxy that ends TLS."""
     origin = request.headers.get("Origin")
-    return origin is None or origin == f"{request.scheme}://{request.host}"
+    if origin is None:
+        return True
+    scheme, _, rest = origin.partition("://")
+    return scheme in ("http", "https") and rest == request.host
+
+
+def _secure(request: web.Request) -> bool:
+    """Whether the browser reached us over HTTPS (directly or through a proxy that says so),
+    or on a loopback address (which browsers treat as secure): then the cookie is Secure."""
+    forwarded = request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower()
+    host = (request.host or "").rsplit(":", 1)[0].strip("[]")
+    return request.secure or forwarded == "https" or host in ("localhost", "127.0.0.1", "::1")
 
 
 async def login(request: web.Request) -> web.Response:
@@ -96,14 +118,21 @@ async def login(request: web.Request) -> web.Response:
                        code="admin_disabled")
     if not _same_origin(request):
         raise ApiError(403, "a login from another site's page", code="cross_origin")
+    client, now = request.remote or "", time.monotonic()
+    auth._check_budget(client, now)  # the failed-key budget per address, as for API keys
     form = await request.post()
     key = form.get("key")
     if not isinstance(key, str) or not hmac.compare_digest(key.encode(),
                                                            auth.admin_key.encode()):
+        auth._spend(client, now)
         raise web.HTTPSeeOther("/dashboard/login?failed=1")
     response = web.HTTPSeeOther("/dashboard")
+    secure = _secure(request)
+    if not secure:
+        log.warning("dashboard login over plain HTTP from %s: the session cookie is not Secure "
+                    "(serve the gateway behind HTTPS)", request.remote)
     response.set_cookie(SESSION_COOKIE, auth.open_session(), max_age=int(SESSION_TTL_S),
-                        path="/", httponly=True, secure=True, samesite="Strict")
+                        path="/", httponly=True, secure=secure, samesite="Strict")
     raise response
 
 

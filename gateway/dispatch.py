@@ -17,7 +17,6 @@ no capacity idles while only one tenant has work.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 
 from gateway.backends import Backend, BackendPool
 from gateway.fairqueue import FairQueue, QueueBounds, QueuedRequest
@@ -31,9 +30,7 @@ class Dispatcher:
         self.pool = pool
         self.metrics = metrics
         self.load_factor = load_factor  # prefix routing's bound on a replica's load
-        # taken from the queue for a backend that does not serve their model (a pool of several
-        # models): they go first to the next backend with room that does
-        self.parked: deque[QueuedRequest] = deque()
+
 
     def submit(self, item: QueuedRequest, bounds: QueueBounds) -> asyncio.Future[Backend]:
         """Queue `item` (QueueFull when its tenant's queue is full); the future resolves to the
@@ -46,8 +43,6 @@ class Dispatcher:
         return future
 
     def pump(self) -> None:
-        if self.parked:
-            self._unpark()
         while self.queue.size:
             picked = self._next()
             if picked is None:
@@ -57,12 +52,6 @@ class Dispatcher:
             if item.affinity is not None:  # the replica that likely holds its prefix
                 backend = self.pool.pick_affine(item.affinity, item.model,
                                                 self.load_factor) or backend
-            if item.model and backend.model_name and backend.model_name != item.model:
-                other = self.pool.pick(model=item.model)
-                if other is None:
-                    self.parked.append(item)
-                    continue
-                backend = other
             self._hand(item, backend)
 
     def _hand(self, item: QueuedRequest, backend: Backend) -> None:
@@ -73,23 +62,13 @@ class Dispatcher:
         backend.inflight += 1
         future.set_result(backend)
 
-    def _unpark(self) -> None:
-        waiting: deque[QueuedRequest] = deque()
-        while self.parked:
-            item = self.parked.popleft()
-            if item.payload.done():
-                self.queue.finish(item, 0, 0)
-                continue
-            backend = self.pool.pick(model=item.model)
-            if backend is None:
-                waiting.append(item)
-            else:
-                self._hand(item, backend)
-        self.parked = waiting
-
     def _next(self) -> tuple[QueuedRequest, Backend] | None:
         """The request to dispatch and its backend: anyone's where seats outside the headroom
-        are free, else only a tenant's under its share (into the headroom)."""
+        are free, else only a tenant's under its share (into the headroom). In a pool of
+        several models, the next request whose model has a backend with room, and that one
+        (headroom is not kept there)."""
+        if len(self.pool.model_names()) > 1:
+            return self._next_by_model()
         backend = self.pool.pick()
         if backend is None:
             return None
@@ -101,8 +80,23 @@ class Dispatcher:
             item = self.queue.pop()
             return None if item is None else (item, shared)
         room, weight = self.pool.capacity(), self.queue.active_weight()
-        item = self.queue.pop(lambda tq: self.queue.under_share(tq, room, weight))
+        item = self.queue.pop(lambda tq, _: self.queue.under_share(tq, room, weight))
         return None if item is None else (item, backend)
+
+    def _next_by_model(self) -> tuple[QueuedRequest, Backend] | None:
+        rooms: dict[str | None, Backend | None] = {}
+
+        def room(model: str | None) -> Backend | None:
+            if model not in rooms:
+                rooms[model] = self.pool.pick(model=model)
+            return rooms[model]
+
+        item = self.queue.pop(lambda _, head: room(head.model) is not None)
+        if item is None:
+            return None
+        backend = room(item.model)
+        assert backend is not None  # the pop only takes a request whose model has room
+        return item, backend
 
     def failover(self, item: QueuedRequest, failed: Backend, model: str | None) -> Backend | None:
         """`item`'s backend failed before any byte of an answer: another with room that serves
@@ -118,10 +112,6 @@ class Dispatcher:
 
     def abandon(self, item: QueuedRequest) -> bool:
         """The waiter gave up (timeout, disconnect). True when it was still queued."""
-        if item in self.parked:
-            self.parked.remove(item)
-            self.queue.finish(item, 0, 0)
-            return True
         removed = self.queue.remove(item)
         if removed:
             self._gauge(item)

@@ -111,7 +111,8 @@ class TenantQueue:
         return len(self.drained) / span, sum(c for _, c in self.drained) / span
 
 
-Admit = Callable[[TenantQueue], bool]  # may this tenant's next request be dispatched now?
+# may this tenant's next request (of the class looked at: the item given) be dispatched now?
+Admit = Callable[[TenantQueue, "QueuedRequest"], bool]
 
 
 class FairQueue:
@@ -220,11 +221,10 @@ class FairQueue:
     def pop(self, admit: Admit | None = None) -> QueuedRequest | None:
         """The next request to dispatch (its tenant's counter charged), or None; with `admit`,
         only from tenants it accepts (fair only: fcfs serves arrival order or nothing)."""
-        tq = self._pick_fcfs() if self.policy == "fcfs" else self._pick_fair(admit)
-        if tq is None:
+        picked = self._pick_fcfs(admit) if self.policy == "fcfs" else self._pick_fair(admit)
+        if picked is None:
             return None
-        item = self._head(tq)
-        assert item is not None
+        tq, item = picked
         self._take(tq, item)
         self._vtime = max(self._vtime, tq.counter)
         tq.counter += self.cost.cost(item.input_tokens, item.output_tokens) / tq.weight
@@ -235,24 +235,27 @@ class FairQueue:
         item.state = "dispatched"
         return item
 
-    def _pick_fair(self, admit: Admit | None) -> TenantQueue | None:
+    def _pick_fair(self, admit: Admit | None) -> tuple[TenantQueue, QueuedRequest] | None:
         for cls in CLASSES:
             best: TenantQueue | None = None
             for name in self._active[cls]:
                 tq = self.tenants[name]
-                if not tq.can_run or (admit is not None and not admit(tq)):
+                if not tq.can_run or (admit is not None and not admit(tq, tq.queues[cls][0])):
                     continue
                 if best is None or ((tq.counter, tq.queues[cls][0].seq)
                                     < (best.counter, best.queues[cls][0].seq)):
                     best = tq
             if best is not None:
-                return best
+                return best, best.queues[cls][0]
         return None
 
-    def _pick_fcfs(self) -> TenantQueue | None:
-        heads = ((q[0].seq, tq) for tq in self._eligible() for q in tq.queues.values() if q)
+    def _pick_fcfs(self, admit: Admit | None) -> tuple[TenantQueue, QueuedRequest] | None:
+        """Arrival order; with `admit`, the earliest head it accepts (a pool of several models:
+        the earliest request whose model has room)."""
+        heads = ((q[0].seq, tq, q[0]) for tq in self._eligible() for q in tq.queues.values()
+                 if q and (admit is None or admit(tq, q[0])))
         first = min(heads, key=lambda h: h[0], default=None)
-        return None if first is None else first[1]
+        return None if first is None else (first[1], first[2])
 
     def _eligible(self) -> Iterator[TenantQueue]:
         names = set().union(*self._active.values())

@@ -221,7 +221,7 @@ class Gateway:
     def finish(self, adm: Admission, status: int) -> None:
         payload = adm.item.payload
         if adm.backend is None and adm.item.state == "dispatched" and payload.done() \
-                and not payload.cancelled():  # (a parked item has no backend yet)
+                and not payload.cancelled():
             # Dispatched in the same turn the waiter was cancelled: give the slot back.
             self.dispatcher.release(adm.item, adm.item.payload.result(), 0, 0)
             adm.item.state = "removed"

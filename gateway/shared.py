@@ -48,6 +48,8 @@ DEFAULT_KEY_PREFIX = "fairgate"
 _KEY_PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 # the live path waits at most this long for Redis before it enforces the limits locally
 REDIS_TIMEOUT_S = 0.25
+CALL_TIMEOUT_S = 0.5  # one charge's whole call (connect, handshake, a script reload)
+UPDATE_CONCURRENCY = 16  # settles and refunds in flight at once
 PROBE_INTERVAL_S = 0.5  # how often an unreachable Redis is asked again
 SHUTDOWN_DRAIN_S = 5.0  # how long a shutdown waits for settles still on their way
 
@@ -174,6 +176,8 @@ class SharedRateLimiter:
         self.last_error: str | None = "not connected yet"
         self._pending: set[asyncio.Task[None]] = set()
         self._back = asyncio.Event()  # set while Redis answers
+        self._updates = asyncio.Semaphore(UPDATE_CONCURRENCY)
+        self.call_timeout = CALL_TIMEOUT_S
         self._ids = itertools.count()
         self._replica = os.urandom(6).hex()
         self._client: Any = None
@@ -215,6 +219,10 @@ class SharedRateLimiter:
         self._client = Redis.from_url(self.url, socket_timeout=REDIS_TIMEOUT_S,
                                       socket_connect_timeout=REDIS_TIMEOUT_S,
                                       retry=Retry(NoBackoff(), 0))
+        # a socket_timeout given in the URL (a loaded test machine) stretches the call's bound
+        own = self._client.connection_pool.connection_kwargs.get("socket_timeout")
+        if isinstance(own, (int, float)) and own > REDIS_TIMEOUT_S:
+            self.call_timeout = max(CALL_TIMEOUT_S, 2 * float(own))
         self._scripts = {name: self._client.register_script(lua) for name, lua in
                          (("charge", CHARGE_LUA), ("settle", SETTLE_LUA),
                           ("refund", REFUND_LUA))}
@@ -253,9 +261,14 @@ class SharedRateLimiter:
                               id=f"{self._replica}-{next(self._ids)}")
         rpm, tpm = limits.requests_per_min, limits.tokens_per_min
         try:
-            verdict, wait_ms = await self._scripts["charge"](keys=charge.keys, args=[
-                charge.id, tokens, -1 if rpm is None else rpm, -1 if tpm is None else tpm,
-                round(self.period * 1000), round(self.period * 1000) + 60_000])
+            # one bound on the whole call: a new connection's handshake, a NOSCRIPT reload
+            async with asyncio.timeout(self.call_timeout):
+                verdict, wait_ms = await self._scripts["charge"](keys=charge.keys, args=[
+                    charge.id, tokens, -1 if rpm is None else rpm, -1 if tpm is None else tpm,
+                    round(self.period * 1000), round(self.period * 1000) + 60_000])
+        except asyncio.CancelledError:  # the client left mid-call: the script may have run
+            self._send(charge, "refund", [charge.id])
+            raise
         except Exception as exc:  # whatever Redis did, this request is not failed for it
             self._failed(exc)
             # the script may have run before the reply was lost: take back what it may have added
@@ -307,12 +320,15 @@ class SharedRateLimiter:
         task.add_done_callback(self._pending.discard)
 
     async def _apply(self, charge: SharedCharge, script: str, args: list[Any]) -> None:
-        """Retried until it lands or its charge has left the window (nothing left to fix)."""
+        """Retried until it lands or its charge has left the window (nothing left to fix); at
+        most UPDATE_CONCURRENCY at once, so a backlog sent when Redis returns does not swamp
+        the pool the live path charges through."""
         deadline = charge.at + self.period
         while True:
             if self.up:
                 try:
-                    await self._scripts[script](keys=charge.keys, args=args)
+                    async with self._updates:
+                        await self._scripts[script](keys=charge.keys, args=args)
                     return
                 except Exception as exc:
                     self._failed(exc)
@@ -353,8 +369,11 @@ class SharedRateLimiter:
             await asyncio.sleep(PROBE_INTERVAL_S)
             if self.up:
                 continue
-            # connections from before the outage are dead: the live path must not find one
-            await self._client.connection_pool.disconnect()
+            try:
+                # connections from before the outage are dead: the live path must not find one
+                await self._client.connection_pool.disconnect()
+            except Exception as exc:  # noqa: BLE001 - closing a dead socket may fail too
+                self.last_error = type(exc).__name__
             if await self._ping():
                 log.info("redis at %s answers again: rate limits are shared again",
                          self._where())

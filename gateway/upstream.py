@@ -42,6 +42,10 @@ class UpstreamError(Exception):
     """The backend could not be reached, or broke the HTTP exchange."""
 
 
+class UpstreamConnectError(UpstreamError):
+    """No connection to the backend could be made: nothing of the request was sent."""
+
+
 class UpstreamTimeout(UpstreamError):
     """The backend did not answer, or went silent mid-answer, within the caller's limit."""
 
@@ -343,11 +347,11 @@ class UpstreamPool:
                 _, conn = await loop.create_connection(
                     lambda: _Connection(self), self.host, self.port, ssl=self.ssl)
         except TimeoutError:
-            raise UpstreamError(f"connecting to {self.host}:{self.port} timed out after "
-                                f"{timeout:g} s") from None
+            raise UpstreamConnectError(f"connecting to {self.host}:{self.port} timed out after "
+                                       f"{timeout:g} s") from None
         except OSError as exc:
-            raise UpstreamError(f"cannot connect to {self.host}:{self.port}: "
-                                f"{exc.strerror or exc}") from None
+            raise UpstreamConnectError(f"cannot connect to {self.host}:{self.port}: "
+                                       f"{exc.strerror or exc}") from None
         return conn
 
     def release(self, conn: _Connection) -> None:
