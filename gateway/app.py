@@ -22,8 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engine.config import EngineConfig
 from gateway import admin, dashboard, openapi, proxy
 from gateway.auth import Authenticator, bearer
-from gateway.backends import Backend, BackendPool, EmbeddedBackend, RemoteBackend
-from gateway.config import GatewayConfig
+from gateway.backends import Backend, BackendPool, DnsGroup, EmbeddedBackend, RemoteBackend
+from gateway.config import BackendConfig, GatewayConfig
 from gateway.dispatch import tick
 from gateway.jobs import JobManager
 from gateway.metrics import GatewayMetrics
@@ -58,8 +58,7 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
                           client_max_size=settings.max_body_bytes)
     store = store or TenantStore(database, secret=os.environ.get(SECRET_ENV) or None)
     metrics = GatewayMetrics()
-    pool = BackendPool(backends or _backends(settings, engine, lambda: gw.dispatcher.pump()),
-                       headroom=settings.dispatch_headroom)
+    pool = _pool(settings, engine, backends, lambda: gw.dispatcher.pump())
     limiter, shared_state = make_limiter(settings.redis, metrics)
     gw = Gateway(settings, pool, _ledger(store, settings, database), metrics, limiter)
     app[SETTINGS], app[STORE], app[METRICS] = settings, store, metrics
@@ -117,21 +116,34 @@ def _read_at_scrape(metrics: GatewayMetrics, gw: Gateway, auth: Authenticator) -
             metrics.add_engine(backend.engine)
 
 
-def _backends(settings: GatewayConfig, engine: EngineConfig,
-              on_change: Callable[[], None]) -> list[Backend]:
+def _pool(settings: GatewayConfig, engine: EngineConfig, backends: list[Backend] | None,
+          on_change: Callable[[], None]) -> BackendPool:
+    """The backends: `backends` (tests), or the configured ones (a `discover: dns` entry is
+    a group of them, one per address), or the embedded engine."""
+    if backends:
+        return BackendPool(backends, headroom=settings.dispatch_headroom)
     if not settings.backends:
         from engine.async_engine import AsyncEngine  # torch is imported only when embedded
 
-        return [EmbeddedBackend(AsyncEngine(engine), settings.backend_waiting_slack)]
+        return BackendPool([EmbeddedBackend(AsyncEngine(engine), settings.backend_waiting_slack)],
+                           headroom=settings.dispatch_headroom)
     default_max_model_len = engine.max_model_len or DEFAULT_REMOTE_MAX_MODEL_LEN
-    return [RemoteBackend(b, default_max_model_len=default_max_model_len,
-                          tokenizer_file=settings.tokenizer,
-                          poll_interval=settings.backend_poll_interval_s,
-                          retry_after=settings.backend_retry_after_s,
-                          slack=settings.backend_waiting_slack, on_change=on_change,
-                          first_byte_timeout=settings.backend_first_byte_timeout_s,
-                          stall_timeout=settings.backend_stall_timeout_s)
-            for b in settings.backends]
+
+    def remote(b: BackendConfig) -> Backend:
+        return RemoteBackend(b, default_max_model_len=default_max_model_len,
+                             tokenizer_file=settings.tokenizer,
+                             poll_interval=settings.backend_poll_interval_s,
+                             retry_after=settings.backend_retry_after_s,
+                             slack=settings.backend_waiting_slack, on_change=on_change,
+                             first_byte_timeout=settings.backend_first_byte_timeout_s,
+                             stall_timeout=settings.backend_stall_timeout_s)
+
+    groups = [DnsGroup(b, remote) for b in settings.backends if b.discover == "dns"]
+    pool = BackendPool([remote(b) for b in settings.backends if b.discover is None],
+                       headroom=settings.dispatch_headroom, groups=groups)
+    for group in groups:
+        group.pool = pool
+    return pool
 
 
 def _database(on_demo_key: Callable[[str], None] | None) -> Callable[

@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import math
+import socket
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from engine.request import SamplingParams
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -536,6 +539,73 @@ async def _upstream_error(resp: Response, retry_after: float) -> Exception:
     return ApiError(resp.status, message, code=err.get("code"), param=err.get("param"))
 
 
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    """The addresses `host` resolves to now (every A and AAAA record), sorted."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+class DnsGroup:
+    """The replicas behind one host name (`discover: dns`, a Kubernetes headless Service): a
+    backend per address it resolves to, added as addresses appear; one whose address is gone
+    is drained (no new requests, its streams finish) and then closed. A failed lookup keeps
+    what is there."""
+
+    def __init__(self, config: BackendConfig, make: Callable[[BackendConfig], Backend],
+                 pool: BackendPool | None = None, resolver: Resolver | None = None) -> None:
+        parts = urlsplit(config.url)
+        self.config, self.make, self.resolver = config, make, resolver
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.pool = pool
+        self.members: dict[str, Backend] = {}  # address -> backend
+        self.leaving: dict[str, Backend] = {}
+        self.task: asyncio.Task[None] | None = None
+
+    def url_for(self, address: str) -> str:
+        parts = urlsplit(self.config.url)
+        host = f"[{address}]" if ":" in address else address
+        return parts._replace(netloc=f"{host}:{self.port}").geturl()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.discover_interval_s)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        assert self.pool is not None
+        try:
+            found = set(await (self.resolver or resolve)(self.host, self.port))
+        except OSError as exc:
+            log.warning("discovering %s: %s; keeping its %d backends", self.host, exc,
+                        len(self.members))
+            found = set(self.members)
+        for address in sorted(found - set(self.members)):
+            backend = self.leaving.pop(address, None)
+            if backend is None:
+                backend = self.make(dataclasses.replace(self.config, url=self.url_for(address),
+                                                        discover=None))
+                await backend.start()
+                self.pool.backends.append(backend)
+                log.info("discovered %s behind %s", backend.name, self.host)
+            self.pool.draining.discard(backend.name)
+            self.members[address] = backend
+        for address in sorted(set(self.members) - found):
+            backend = self.members.pop(address)
+            self.pool.draining.add(backend.name)  # no new requests; its streams finish
+            self.leaving[address] = backend
+            log.info("%s left %s: draining it", backend.name, self.host)
+        for address, backend in list(self.leaving.items()):
+            if backend.inflight == 0:
+                del self.leaving[address]
+                self.pool.backends.remove(backend)
+                self.pool.draining.discard(backend.name)
+                await backend.close()
+
+
 def _ring_point(key: int, name: str) -> int:
     """Where `name` sits on `key`'s ring (rendezvous hashing: the same order for a key on
     every gateway replica, and a backend that leaves moves only its own keys)."""
@@ -551,12 +621,14 @@ class BackendPool:
     light tenant's request then starts in the engine's next step instead of waiting for a
     backlogged tenant's request to finish, and a lone tenant still fills every seat."""
 
-    def __init__(self, backends: list[Backend], headroom: float = 0.0) -> None:
-        if not backends:
+    def __init__(self, backends: list[Backend], headroom: float = 0.0,
+                 groups: list[DnsGroup] | None = None) -> None:
+        if not backends and not groups:
             raise ValueError("at least one backend is needed")
         self.backends = backends
         self.headroom = headroom
         self.draining: set[str] = set()  # by name: no new dispatch (a reconfigure, a rollout)
+        self.groups: list[DnsGroup] = list(groups or [])  # backends found by DNS, one per address
 
     def by_name(self, name: str) -> Backend | None:
         return next((b for b in self.backends if b.name == name), None)
@@ -625,7 +697,15 @@ class BackendPool:
     async def start(self) -> None:
         for b in self.backends:
             await b.start()
+        for group in self.groups:
+            await group.refresh()
+            group.task = asyncio.create_task(group.run(), name=f"discover {group.host}")
 
     async def close(self) -> None:
-        for b in self.backends:
+        for group in self.groups:
+            if group.task is not None:
+                group.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await group.task
+        for b in list(self.backends):
             await b.close()

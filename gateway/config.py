@@ -49,8 +49,16 @@ class BackendConfig:
     # None: the gateway's backend_first_byte_timeout_s / backend_stall_timeout_s
     first_byte_timeout_s: float | None = None
     stall_timeout_s: float | None = None
+    # "dns": the url's host names a set of replicas (a Kubernetes headless Service): one
+    # backend per address it resolves to, looked up again every discover_interval_s
+    discover: str | None = None
+    discover_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.discover is not None:
+            check_choice("gateway.backends[].discover", self.discover, ("dns",))
+        check_number("gateway.backends[].discover_interval_s", self.discover_interval_s, low=0,
+                     open_low=True)
         if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
             raise ValueError(f"gateway.backends[].url must start with http:// or https://, "
                              f"got {self.url!r}")

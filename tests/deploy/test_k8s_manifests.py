@@ -202,7 +202,11 @@ def test_gateway_config_renders_and_loads(rendered: list[dict[str, Any]],
     gateway_config = GatewayConfig.from_dict(section(data, "gateway"))
     assert gateway_config.admin_key == secret["admin-key"]
     assert gateway_config.host == "0.0.0.0" and gateway_config.metrics_host == "0.0.0.0"
-    assert [b.url for b in gateway_config.backends] == ["http://fairgate-engine:8100"]
+    # every engine pod, one backend each, through the headless Service
+    assert [(b.url, b.discover) for b in gateway_config.backends] == [
+        ("http://fairgate-engine-headless:8100", "dns")]
+    headless = one(rendered, "Service", "fairgate-engine-headless")
+    assert headless["spec"]["clusterIP"] == "None"
     assert gateway_config.redis == "redis://fairgate-redis:6379/0"
     assert FairgateConfig.from_dict(data).database.startswith("postgresql+asyncpg://")
     ports = {p["containerPort"] for p in container(gateway, "gateway")["ports"]}

@@ -10,7 +10,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.presets import model_preset
 from engine.request import FinishReason
-from gateway.app import DEFAULT_REMOTE_MAX_MODEL_LEN, _backends
+from gateway.app import DEFAULT_REMOTE_MAX_MODEL_LEN, _pool
 from gateway.config import BackendConfig, GatewayConfig
 from tests.engine.ckpt import build_checkpoint
 
@@ -110,7 +110,7 @@ def test_checks_on_max_model_len_apply_once_it_is_known() -> None:
 def test_remote_backends_default_without_an_engine_max_model_len() -> None:
     backend = BackendConfig(url="http://127.0.0.1:9")
     remote = GatewayConfig(backends=(backend,))
-    assert [b.max_model_len for b in _backends(remote, EngineConfig(), lambda: None)] == [
+    assert [b.max_model_len for b in _pool(remote, EngineConfig(), None, lambda: None).backends] == [
         DEFAULT_REMOTE_MAX_MODEL_LEN]
     set_ = EngineConfig(max_model_len=8192)
-    assert [b.max_model_len for b in _backends(remote, set_, lambda: None)] == [8192]
+    assert [b.max_model_len for b in _pool(remote, set_, None, lambda: None).backends] == [8192]

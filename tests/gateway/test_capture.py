@@ -52,7 +52,9 @@ async def test_a_capture_replays_with_the_same_requests_lengths_and_spacing(
     assert [r.tenant for r in by_arrival] == ["acme", "acme", "globex", "acme"]
     gaps = [b - a for a, b in zip(sent, sent[1:], strict=False)]
     captured = [b.arrival - a.arrival for a, b in zip(by_arrival, by_arrival[1:], strict=False)]
-    assert captured == pytest.approx(gaps, abs=0.02)  # the arrival spacing is kept
+    # the arrival spacing is kept: each gap to within 50 ms, the time between the client's stamp
+    # and the gateway's on a loaded 2-core machine (it was 27 ms off under a parallel suite)
+    assert captured == pytest.approx(gaps, abs=0.05) and all(g > 0 for g in captured)
     one, two, other_tenant, short = (r.prefix_hashes for r in by_arrival)
     assert len(one) == 2 and one[0] == two[0] and one[1] != two[1]  # a shared first block
     assert other_tenant[0] != one[0]  # per tenant, as the prefix caches are

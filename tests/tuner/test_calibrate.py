@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +51,20 @@ def test_calibrate_writes_a_profile_the_sim_executor_loads(tmp_path: Path,
 
 
 @pytest.fixture(scope="module")
-def calibrator() -> Calibrator:
+def calibrator() -> Iterator[Calibrator]:
+    import torch
+
     config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, device_memory_gb=0.25)
-    # the process's CPU time: other jobs on a shared CI machine stretch wall time, not this
-    calibrator = Calibrator(config, clock=time.process_time)
-    calibrator.run(Phase(2, 32, 4))  # warm-up
-    return calibrator
+    # the process's CPU time on one thread: other jobs on a shared CI machine stretch wall
+    # time, and with several threads the ones spinning for a core count as work too
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calibrator = Calibrator(config, clock=time.process_time)
+        calibrator.run(Phase(2, 32, 4))  # warm-up
+        yield calibrator
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _least_stretched(calibrator: Calibrator, phase: Phase, runs: int = 3) -> list[Any]:
