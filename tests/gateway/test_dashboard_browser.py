@@ -12,7 +12,6 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import pytest
 
 from tests.gateway.helpers import completion, create_tenants, free_port
 from tests.support.processes import ROOT
+from tests.support.waiting import poll_until
 
 CHROMIUM = "/usr/bin/chromium"
 ADMIN_KEY = "admin-key-0123456789"
@@ -78,22 +78,14 @@ def test_the_dashboard_shows_each_tenant_against_its_slo(tmp_path: Path) -> None
                               env={**os.environ, "PYTHONPATH": str(ROOT)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                _admin(url, "/admin/slo/tenants")
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "fairgate serve did not start"
-                time.sleep(0.2)
+        poll_until(lambda: _admin(url, "/admin/slo/tenants"), 60, "fairgate serve answers")
         for tenant, n in REQUESTS.items():
             for _ in range(n):
                 _stream(url, keys[tenant])
         # the ledger writes every second: wait until the rollups hold every request
-        while {t["name"]: t["requests_1h"] for t in _admin(url, "/admin/slo/tenants")[
-                "tenants"]} != REQUESTS:
-            assert time.monotonic() < deadline + 60, "the ledger did not record the traffic"
-            time.sleep(0.2)
+        poll_until(lambda: {t["name"]: t["requests_1h"] for t in _admin(
+            url, "/admin/slo/tenants")["tenants"]} == REQUESTS, 60,
+            "the ledger recorded the traffic")
         figures = _browse(url, tmp_path)
     finally:
         server.terminate()

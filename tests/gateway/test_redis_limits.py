@@ -22,7 +22,7 @@ from gateway.shared import SharedRateLimiter, split_redis_url
 from gateway.state import GATEWAY
 from tenants import TenantLimits
 from tests.gateway.helpers import SIM_ENGINE, Harness, completion, free_port, start_gateway
-from tests.support.waiting import wait_for
+from tests.support.waiting import next_loop_turn, wait_for
 
 redis = pytest.importorskip("redis", reason="the redis package (redis-py) is not installed")
 
@@ -194,7 +194,7 @@ async def _charge_and_settle(prefix: str, ops: list[tuple[int, int, int, bool]],
         assert await replicas[0].window(tenant) == (len(admitted), charged)
 
         async def finish(op: tuple[int, int, int, bool], c: Any) -> None:
-            await asyncio.sleep(0)
+            await next_loop_turn()  # every finish starts before any of them lands
             if op[3]:
                 replicas[op[0]].refund(c)
             else:

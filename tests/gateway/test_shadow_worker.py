@@ -4,7 +4,6 @@ clients nothing: its copies are counted as dropped and another worker takes over
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import signal
@@ -22,7 +21,7 @@ from engine.server import make_app as make_engine_app
 from gateway.metrics import ITL_BUCKETS, ShadowHistograms
 from gateway.shadow_worker import FrameReader, FrameSender, _Histogram
 from tests.gateway.helpers import collect, completion, start_gateway
-from tests.support.waiting import wait_for
+from tests.support.waiting import next_loop_turn, wait_for
 
 REALTIME = EngineConfig(executor="sim", sim_clock="realtime", max_model_len=512,
                         max_num_batched_tokens=512)
@@ -70,7 +69,7 @@ async def test_frames_carry_every_item_in_order_however_the_pipe_cuts_them(
     half = len(items) // 2
     for item in items[:half]:
         sender.put(item)
-    await asyncio.sleep(0)  # one loop turn: one frame for all of them
+    await next_loop_turn()  # the sender's flush has run: one frame for all of them
     sender.put_many(items[half:])
     sender.close()
     assert pipe.closed and pipe.writes == (1 if half == 0 else 2)

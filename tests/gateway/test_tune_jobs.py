@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 
 from tests.gateway.helpers import free_port, start_gateway
 from tests.support.processes import ROOT
-from tests.support.waiting import wait_until
+from tests.support.waiting import poll_until, wait_until
 
 ADMIN_KEY = "admin-key-0123456789"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -258,17 +258,7 @@ def _serve(config: Path) -> subprocess.Popen[bytes]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _poll(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            found = check()
-        except OSError:
-            found = None
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"still not true after {timeout} s: {what}")
+_poll = poll_until  # a server process is asked until the condition holds
 
 
 def test_a_job_interrupted_by_a_killed_gateway_resumes_without_lost_or_repeated_trials(
