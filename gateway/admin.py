@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,17 +47,30 @@ async def _database() -> AsyncIterator[None]:
                        retry_after=_RETRY_AFTER_S) from None
 
 
-def _window(request: web.Request) -> float | None:
-    raw = request.query.get("window_s")
+def query_float(request: web.Request, name: str, default: float | None, not_number: str,
+                within: Callable[[float], bool] = lambda _: True,
+                outside: str = "") -> float | None:
+    """The query parameter `name` as a number (`default` when absent); a 400 naming it with
+    `not_number` when it is not one, with `outside` when `within(value)` fails."""
+    raw = request.query.get(name)
     if raw is None:
-        return None
+        return default
     try:
         value = float(raw)
     except ValueError:
-        raise bad_request("window_s must be a number of seconds", "window_s") from None
-    if not 0 < value < float("inf"):
-        raise bad_request("window_s must be > 0", "window_s")
+        raise bad_request(not_number, name) from None
+    if not within(value):
+        raise bad_request(outside, name)
     return value
+
+
+def _positive(value: float) -> bool:
+    return 0 < value < math.inf
+
+
+def _window(request: web.Request) -> float | None:
+    return query_float(request, "window_s", None, "window_s must be a number of seconds",
+                       _positive, "window_s must be > 0")
 
 
 async def _totals(request: web.Request, tenant: str) -> dict[str, Any]:
@@ -215,20 +228,11 @@ async def shadow_stats(request: web.Request) -> web.Response:
     sides side by side; detail adds every pair's figures."""
     request.app[AUTH].check_admin(request)
     mirror = _mirror(request)
-    raw = request.query.get("window", "300")
-    try:
-        window = float(raw)
-    except ValueError:
-        raise bad_request("window must be a number of seconds", "window") from None
-    if not 0 < window < float("inf"):
-        raise bad_request("window must be > 0 seconds", "window")
-    sent_after = None
-    if "sent_after" in request.query:
-        try:
-            sent_after = float(request.query["sent_after"])
-        except ValueError:
-            raise bad_request("sent_after must be a time in epoch seconds",
-                              "sent_after") from None
+    window = query_float(request, "window", 300.0, "window must be a number of seconds",
+                         _positive, "window must be > 0 seconds")
+    assert window is not None
+    sent_after = query_float(request, "sent_after", None,
+                             "sent_after must be a time in epoch seconds")
     detail = request.query.get("detail", "0") in ("1", "true")
     # up to 50,000 pairs and their bootstrap: in a thread, never on the event loop (the
     # window's pairs are copied here first, while nothing else touches them)
@@ -242,15 +246,10 @@ MAX_CAPTURE_LIMIT = 1_000_000
 
 
 def _epoch(request: web.Request, name: str, default: float) -> float:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise bad_request(f"{name} must be a time in epoch seconds", name) from None
-    if not math.isfinite(value) or value < 0:
-        raise bad_request(f"{name} must be a time in epoch seconds (>= 0)", name)
+    value = query_float(request, name, default, f"{name} must be a time in epoch seconds",
+                        lambda v: math.isfinite(v) and v >= 0,
+                        f"{name} must be a time in epoch seconds (>= 0)")
+    assert value is not None
     return value
 
 

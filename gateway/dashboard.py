@@ -25,10 +25,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.admin import _database, _path_tenant
+from gateway.admin import _database, _path_tenant, query_float
 from gateway.auth import SESSION_COOKIE, SESSION_TTL_S, bearer
 from gateway.state import AUTH, GATEWAY, JOBS, METRICS, STORE
-from protocol.errors import ApiError, bad_request
+from protocol.errors import ApiError
 from tenants.slo_views import hour_p99s, period_counts, tenant_series, tenant_slo
 
 log = logging.getLogger("fairgate.gateway")
@@ -196,13 +196,10 @@ async def slo_tenant(request: web.Request) -> web.Response:
     now, and its series minute by minute."""
     request.app[AUTH].check_admin(request)
     name = _path_tenant(request)
-    raw = request.query.get("hours", "6")
-    try:
-        hours = float(raw)
-    except ValueError:
-        raise bad_request("hours must be a number", "hours") from None
-    if not 0 < hours <= MAX_SERIES_HOURS:
-        raise bad_request(f"hours must be in (0, {MAX_SERIES_HOURS}]", "hours")
+    hours = query_float(request, "hours", 6.0, "hours must be a number",
+                        lambda h: 0 < h <= MAX_SERIES_HOURS,
+                        f"hours must be in (0, {MAX_SERIES_HOURS}]")
+    assert hours is not None
     now = time.time()
     db = request.app[STORE].db
     async with _database():

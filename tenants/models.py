@@ -91,15 +91,9 @@ class UsageRow(Base):
     backend: Mapped[str | None] = mapped_column(String(512))  # the engine that served it
 
 
-class UsageMinuteRow(Base):
-    """Per tenant and minute: what the SLO dashboard reads for hours-to-30-day views, written in
-    the same transaction as the raw rows, so they agree; raw rows may be pruned
-    (`gateway.usage_retention_days`) without losing these."""
+class RollupCounts:
+    """The counts a usage rollup keeps per tenant and period (fg_usage_minutes, _hours)."""
 
-    __tablename__ = "fg_usage_minutes"
-
-    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
-    minute: Mapped[int] = mapped_column(Integer, primary_key=True)  # epoch seconds // 60
     requests: Mapped[int] = mapped_column(Integer, nullable=False)
     ok: Mapped[int] = mapped_column(Integer, nullable=False)  # HTTP 200
     rejected: Mapped[int] = mapped_column(Integer, nullable=False)  # 429
@@ -113,10 +107,21 @@ class UsageMinuteRow(Base):
     slo_checked: Mapped[int] = mapped_column(Integer, nullable=False)  # any target checked
     slo_met: Mapped[int] = mapped_column(Integer, nullable=False)  # every checked one met
 
+
+class UsageMinuteRow(RollupCounts, Base):
+    """Per tenant and minute: what the SLO dashboard reads for hours-to-30-day views, written in
+    the same transaction as the raw rows, so they agree; raw rows may be pruned
+    (`gateway.usage_retention_days`) without losing these."""
+
+    __tablename__ = "fg_usage_minutes"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    minute: Mapped[int] = mapped_column(Integer, primary_key=True)  # epoch seconds // 60
+
     __table_args__ = (Index("ix_fg_usage_minutes_minute", "minute"),)
 
 
-class UsageHourRow(Base):
+class UsageHourRow(RollupCounts, Base):
     """The same counts per tenant and hour: the 30-day view sums 720 of these per tenant
     instead of 43,200 minutes."""
 
@@ -124,18 +129,6 @@ class UsageHourRow(Base):
 
     tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
     hour: Mapped[int] = mapped_column(Integer, primary_key=True)  # epoch seconds // 3600
-    requests: Mapped[int] = mapped_column(Integer, nullable=False)
-    ok: Mapped[int] = mapped_column(Integer, nullable=False)
-    rejected: Mapped[int] = mapped_column(Integer, nullable=False)
-    failed: Mapped[int] = mapped_column(Integer, nullable=False)
-    prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    completion_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    ttft_checked: Mapped[int] = mapped_column(Integer, nullable=False)
-    ttft_met: Mapped[int] = mapped_column(Integer, nullable=False)
-    itl_checked: Mapped[int] = mapped_column(Integer, nullable=False)
-    itl_met: Mapped[int] = mapped_column(Integer, nullable=False)
-    slo_checked: Mapped[int] = mapped_column(Integer, nullable=False)
-    slo_met: Mapped[int] = mapped_column(Integer, nullable=False)
 
     __table_args__ = (Index("ix_fg_usage_hours_hour", "hour"),)
 

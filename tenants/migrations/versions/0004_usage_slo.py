@@ -27,26 +27,17 @@ def upgrade() -> None:
         batch.add_column(sa.Column("cached_tokens", sa.Integer))
         batch.add_column(sa.Column("backend", sa.String(512)))
     op.create_index("ix_fg_usage_finished", "fg_usage", ["finished_at"])
-    op.create_table(
-        "fg_usage_minutes",
-        sa.Column("tenant", sa.String(64), primary_key=True),
-        sa.Column("minute", sa.Integer, primary_key=True),
-        *[sa.Column(name, sa.Integer, nullable=False) for name in COUNTS],
-        sa.Column("prompt_tokens", sa.BigInteger, nullable=False),
-        sa.Column("completion_tokens", sa.BigInteger, nullable=False),
-        *[sa.Column(name, sa.Integer, nullable=False) for name in SLO_COUNTS],
-    )
-    op.create_index("ix_fg_usage_minutes_minute", "fg_usage_minutes", ["minute"])
-    op.create_table(
-        "fg_usage_hours",
-        sa.Column("tenant", sa.String(64), primary_key=True),
-        sa.Column("hour", sa.Integer, primary_key=True),
-        *[sa.Column(name, sa.Integer, nullable=False) for name in COUNTS],
-        sa.Column("prompt_tokens", sa.BigInteger, nullable=False),
-        sa.Column("completion_tokens", sa.BigInteger, nullable=False),
-        *[sa.Column(name, sa.Integer, nullable=False) for name in SLO_COUNTS],
-    )
-    op.create_index("ix_fg_usage_hours_hour", "fg_usage_hours", ["hour"])
+    for table, column in (("fg_usage_minutes", "minute"), ("fg_usage_hours", "hour")):
+        op.create_table(
+            table,
+            sa.Column("tenant", sa.String(64), primary_key=True),
+            sa.Column(column, sa.Integer, primary_key=True),
+            *[sa.Column(name, sa.Integer, nullable=False) for name in COUNTS],
+            sa.Column("prompt_tokens", sa.BigInteger, nullable=False),
+            sa.Column("completion_tokens", sa.BigInteger, nullable=False),
+            *[sa.Column(name, sa.Integer, nullable=False) for name in SLO_COUNTS],
+        )
+        op.create_index(f"ix_{table}_{column}", table, [column])
     pg = op.get_bind().dialect.name == "postgresql"
     for table, unit, column in (("fg_usage_minutes", 60, "minute"), ("fg_usage_hours", 3600,
                                                                       "hour")):
