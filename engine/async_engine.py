@@ -82,6 +82,7 @@ class AsyncEngine:
         self._stopping = False
         self._pending_requests = 0  # submitted, not yet in the LLMEngine (inbox or parked)
         self._pending_tokens = 0
+        self._pending_work = 0  # their prompt and max_tokens: outstanding work, for routing
         # engine thread only
         self._outputs = OutputProcessor(self._engine, self._record)
         self._reconfigurer: Reconfigurer[_Add] = Reconfigurer(self._engine, self._abort_all)
@@ -236,6 +237,7 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._pending_requests += 1
                 self._pending_tokens += len(command.prompt_token_ids)
+                self._pending_work += _work(command)
             self._inbox.append(command)
             self._cond.notify()
 
@@ -246,6 +248,7 @@ class AsyncEngine:
         with self._cond:
             snapshot["waiting"] += self._pending_requests
             snapshot["waiting_tokens"] += self._pending_tokens
+            snapshot["outstanding_tokens"] += self._pending_work
         return snapshot
 
     def stats_window(self, window_s: float, slo_ttft: float | None = None,
@@ -310,6 +313,7 @@ class AsyncEngine:
         with self._cond:
             self._pending_requests -= 1
             self._pending_tokens -= len(command.prompt_token_ids)
+            self._pending_work -= _work(command)
 
     def _abort(self, request_id: str) -> None:
         parked = self._reconfigurer.unpark(request_id)
@@ -367,6 +371,10 @@ class AsyncEngine:
         stats["waiting_tokens"] = sum(
             r.num_remaining_tokens for r in self._engine.scheduler.requests.values()
             if r.status is RequestStatus.WAITING)
+        # every unfinished request's prefill still to compute and outputs still to generate
+        # (at most): what a gateway routes on ("least loaded")
+        stats["outstanding_tokens"] = sum(
+            r.estimated_remaining_work() for r in self._engine.scheduler.requests.values())
         stats["max_model_len"] = self._engine.config.max_model_len
         stats["reconfiguring"] = self._reconfigurer.reconfiguring
         stats["num_steps"] = self._engine.num_steps
@@ -389,6 +397,10 @@ class AsyncEngine:
         # left and a new stream reuses the request id (a left stream's queue is just dropped).
         for queue, event in batch:
             queue.put_nowait(event)
+
+
+def _work(command: _Add) -> int:
+    return len(command.prompt_token_ids) + command.params.max_tokens
 
 
 def _notify(callback: Any, value: Any) -> None:

@@ -28,7 +28,8 @@ import logging
 import math
 import socket
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -65,9 +66,36 @@ class BackendUnavailable(Exception):
         self.retry_after = retry_after
 
 
-class BackendUnreachable(BackendUnavailable):
-    """No connection to the backend could be made: nothing was sent and the client has seen
-    nothing, so another replica may take the request (once)."""
+class BackendFailed(BackendUnavailable):
+    """The backend broke (connection refused, reset or cut) rather than refusing the request:
+    while the client has seen no byte of the answer, another replica may take it (once)."""
+
+
+class BackendUnreachable(BackendFailed):
+    """No connection to the backend could be made: nothing was sent."""
+
+
+RECENT_HORIZON_S = 0.05  # an embedded or OpenAI backend: dispatched work not yet started
+
+
+class RecentWork:
+    """Estimated tokens of requests handed to a backend that its own load figures may not
+    show yet (a remote /load is up to one poll old; a dispatched request starts in a later
+    event-loop turn)."""
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[float, int]] = deque()
+        self.total = 0
+
+    def add(self, tokens: int) -> None:
+        self._items.append((time.monotonic(), tokens))
+        self.total += tokens
+
+    def drop_before(self, t: float) -> int:
+        """Forget what was handed before `t` (monotonic); the total left."""
+        while self._items and self._items[0][0] < t:
+            self.total -= self._items.popleft()[1]
+        return self.total
 
 
 @dataclass
@@ -113,6 +141,8 @@ class Backend(Protocol):
     def capacity(self) -> int: ...
     def seats(self) -> int: ...
     def has_room(self) -> bool: ...
+    def outstanding_tokens(self) -> int: ...
+    def dispatched(self, tokens: int) -> None: ...
     def count_prompt(self, req: OpenAIRequest) -> int: ...
     async def start(self) -> None: ...
     async def close(self) -> None: ...
@@ -120,12 +150,13 @@ class Backend(Protocol):
     async def complete(self, job: Job, outcome: Outcome) -> bytes: ...
 
 
-def room_from_load(load: dict[str, Any], inflight: int, slack: int) -> bool:
+def room_from_load(load: dict[str, Any], inflight: int, slack: int, others: int = 0) -> bool:
     """Dispatch while fewer than max_num_seqs (+ `slack`, so the next step never waits for
-    the gateway) of ours are in flight and the KV cache is not about to preempt. The engine's
-    own `waiting` count is not used: between steps it holds our just-sent requests, and a
-    remote /load is up to one poll old, so it would hold back work the engine has room for."""
-    if inflight >= int(load.get("max_num_seqs", 64)) + slack:
+    the gateway) are in flight, ours and `others` (other gateways' requests on a shared
+    engine), and the KV cache is not about to preempt. The engine's own `waiting` count is not
+    used for ours: between steps it holds our just-sent requests, and a remote /load is up to
+    one poll old, so it would hold back work the engine has room for."""
+    if inflight + others >= int(load.get("max_num_seqs", 64)) + slack:
         return False
     return inflight == 0 or float(load.get("kv_usage", 0.0)) < KV_HIGH_WATER
 
@@ -142,6 +173,7 @@ class EmbeddedBackend:
         self.tokenizer: Tokenizer = engine.tokenizer
         self.inflight = 0
         self.healthy = True
+        self.recent = RecentWork()
 
     def capacity(self) -> int:
         return self.seats() + self.slack
@@ -151,6 +183,13 @@ class EmbeddedBackend:
 
     def has_room(self) -> bool:
         return room_from_load(self.engine.load(), self.inflight, self.slack)
+
+    def outstanding_tokens(self) -> int:
+        recent = self.recent.drop_before(time.monotonic() - RECENT_HORIZON_S)
+        return int(self.engine.load().get("outstanding_tokens", 0)) + recent
+
+    def dispatched(self, tokens: int) -> None:
+        self.recent.add(tokens)
 
     def count_prompt(self, req: OpenAIRequest) -> int:
         return len(prompt_token_ids(req, self.tokenizer))
@@ -241,6 +280,9 @@ class RemoteBackend:
         self.healthy = False
         self._down_until = 0.0  # monotonic: not healthy again before this
         self.load: dict[str, Any] = {}
+        self.recent = RecentWork()  # sent since the last /load was asked for
+        self.others = 0  # other gateways' requests on the engine, as of the last /load
+        self._own_tokens = 0  # an OpenAI server (no /load): the work of our requests on it
         self.poll_interval = poll_interval
         self.retry_after = retry_after
         self.slack = slack
@@ -270,8 +312,18 @@ class RemoteBackend:
         if not self.healthy:
             return False
         if self.fairgate:
-            return room_from_load(self.load, self.inflight, self.slack)
+            return room_from_load(self.load, self.inflight, self.slack, self.others)
         return self.inflight < self.config.max_inflight
+
+    def outstanding_tokens(self) -> int:
+        """Queued and running work (estimated tokens), the engine's as of its last /load (every
+        gateway's) plus what this gateway sent since; an OpenAI server: ours alone."""
+        if self.fairgate:
+            return int(self.load.get("outstanding_tokens", 0)) + self.recent.total
+        return self._own_tokens + self.recent.drop_before(time.monotonic() - RECENT_HORIZON_S)
+
+    def dispatched(self, tokens: int) -> None:
+        self.recent.add(tokens)
 
     def count_prompt(self, req: OpenAIRequest) -> int:
         if isinstance(req.prompt, list):
@@ -294,6 +346,7 @@ class RemoteBackend:
 
     async def refresh(self) -> None:
         """Read /load (fairgate) or /v1/models (others); any failure marks the backend down."""
+        asked, ours = time.monotonic(), self.inflight
         try:
             if not self.model_name:
                 await self._discover_model()
@@ -301,6 +354,11 @@ class RemoteBackend:
                 await self._get_json("/v1/models")
             if self.fairgate:
                 self.load = await self._get_json("/load")
+                self.recent.drop_before(asked)
+                # what the engine holds beyond ours: other gateways' (a request of ours still on
+                # its way makes this an undercount, never an overcount)
+                held = sum(int(self.load.get(k, 0)) for k in ("running", "waiting", "swapped"))
+                self.others = max(0, held - ours)
                 self.max_model_len = int(self.config.max_model_len
                                          or self.load.get("max_model_len", self.max_model_len))
             # A backend that timed out stays down for a while even when its web side answers:
@@ -391,13 +449,12 @@ class RemoteBackend:
         they run)."""
         return HEALTH_INTERVAL_S if self.healthy else None
 
-    def _unreachable(self, exc: UpstreamError) -> BackendUnavailable:
-        """Down until the next poll finds it again. Only a request that never left (no
-        connection could be made) may go to another replica: one cut after it was sent may
-        have run there already."""
+    def _unreachable(self, exc: UpstreamError) -> BackendFailed:
+        """Down until the next poll finds it again; the request may go to another replica (no
+        byte of an answer reached the client; an engine that got it aborts it with the
+        connection)."""
         self.mark_down(str(exc))
-        kind = BackendUnreachable if isinstance(exc, UpstreamConnectError) else \
-            BackendUnavailable
+        kind = BackendUnreachable if isinstance(exc, UpstreamConnectError) else BackendFailed
         return kind(f"engine backend {self.name} unreachable: {exc}", self.retry_after)
 
     def _timed_out(self, exc: UpstreamTimeout) -> ApiError:
@@ -407,13 +464,27 @@ class RemoteBackend:
         return ApiError(504, f"engine backend {self.name} timed out: {exc}",
                         code="backend_timeout")
 
-    def _broken(self, exc: UpstreamError) -> BackendUnavailable:
+    def _broken(self, exc: UpstreamError) -> BackendFailed:
         """A response cut off after it started: this request failed, the backend may be fine
         (the next poll says); other requests are not turned away for it."""
-        return BackendUnavailable(f"engine backend {self.name} failed mid-response: {exc}",
+        return BackendFailed(f"engine backend {self.name} failed mid-response: {exc}",
                                   self.retry_after)
 
+    @contextlib.contextmanager
+    def _working(self, job: Job) -> Iterator[None]:
+        cost = job.prompt_tokens + job.max_tokens
+        self._own_tokens += cost
+        try:
+            yield
+        finally:
+            self._own_tokens -= cost
+
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
+        with self._working(job):
+            async for chunk in self._stream(job, outcome):
+                yield chunk
+
+    async def _stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
         resp = await self._post(job, stream=True)
         reader = SSEReader()
         streaming = False  # the first token came: from now on only a stall times out
@@ -433,6 +504,10 @@ class RemoteBackend:
             resp.close()
 
     async def complete(self, job: Job, outcome: Outcome) -> bytes:
+        with self._working(job):
+            return await self._complete(job, outcome)
+
+    async def _complete(self, job: Job, outcome: Outcome) -> bytes:
         resp = await self._post(job, stream=False)
         try:
             resp.watch_stalls(self.stall_timeout)
@@ -606,6 +681,10 @@ class DnsGroup:
                 await backend.close()
 
 
+def _load(b: Backend) -> tuple[float, float]:
+    return b.outstanding_tokens() / max(1, b.seats()), b.inflight / max(1, b.capacity())
+
+
 def _ring_point(key: int, name: str) -> int:
     """Where `name` sits on `key`'s ring (rendezvous hashing: the same order for a key on
     every gateway replica, and a backend that leaves moves only its own keys)."""
@@ -614,7 +693,7 @@ def _ring_point(key: int, name: str) -> int:
 
 
 class BackendPool:
-    """All backends; dispatch goes to the one with most free room.
+    """All backends; dispatch goes to the least loaded with room (outstanding tokens per seat).
 
     `headroom` (a fraction of each backend's seats) is kept free of tenants over their weighted
     share: `pick(keep_headroom=True)` finds room for them, `pick()` for tenants under it. A
@@ -649,20 +728,30 @@ class BackendPool:
         names = (getattr(b, "model_name", "") for b in self.backends)  # test doubles may lack it
         return list(dict.fromkeys(n for n in names if n))
 
-    def pick_affine(self, key: int, model: str | None, load_factor: float) -> Backend | None:
+    def _eligible(self, model: str | None, exclude: Backend | None = None) -> list[Backend]:
+        """Backends that may take a request for `model`: not `exclude`, not draining, serving
+        it (one that has not said its model yet serves any)."""
+        return [b for b in self.backends
+                if b is not exclude and (model is None or not b.model_name or b.model_name == model)
+                and not (self.draining and b.name in self.draining)]
+
+    def _free(self, b: Backend, keep_headroom: bool) -> bool:
+        return b.has_room() and not (keep_headroom and b.inflight >= b.seats() - self.reserved(b))
+
+    def pick_affine(self, key: int, model: str | None, load_factor: float,
+                    keep_headroom: bool = False) -> Backend | None:
         """Consistent hashing with bounded loads: the first backend on `key`'s ring order that
-        has room and whose in-flight count stays within `load_factor` x the average after this
-        request; None when none does (the caller takes the least loaded)."""
-        candidates = [b for b in self.backends
-                      if (model is None or not b.model_name or b.model_name == model)
-                      and not (self.draining and b.name in self.draining)]
+        has room (`keep_headroom`: outside the headroom, as `pick`) and whose in-flight count
+        stays within `load_factor` x the average after this request; None when none does (the
+        caller takes the least loaded)."""
+        candidates = self._eligible(model)
         if not candidates:
             return None
         total = sum(b.inflight for b in candidates) + 1
         bound = math.ceil(load_factor * total / len(candidates))
         ring = sorted(candidates, key=lambda b: _ring_point(key, b.name))
         for b in ring:
-            if b.has_room() and b.inflight + 1 <= bound:
+            if b.inflight + 1 <= bound and self._free(b, keep_headroom):
                 return b
         return None
 
@@ -681,18 +770,18 @@ class BackendPool:
 
     def pick(self, keep_headroom: bool = False, exclude: Backend | None = None,
              model: str | None = None) -> Backend | None:
-        """The backend with most free room (`model`: among those serving it)."""
-        best: Backend | None = None
-        for b in self.backends:
-            if b is exclude or (model is not None and b.model_name and b.model_name != model):
-                continue
-            if not b.has_room() or (keep_headroom and b.inflight >= b.seats() - self.reserved(b)):
-                continue
-            if self.draining and b.name in self.draining:
-                continue
-            if best is None or b.inflight / b.capacity() < best.inflight / best.capacity():
-                best = b
-        return best
+        """The least loaded backend with room (`model`: among those serving it): the fewest
+        outstanding tokens (queued and running work) per seat, then the fewest requests in
+        flight for its room."""
+        free = [b for b in self._eligible(model, exclude) if self._free(b, keep_headroom)]
+        return min(free, key=_load, default=None)
+
+    def fallback(self, exclude: Backend, model: str | None) -> Backend | None:
+        """For a request whose backend failed before answering: the least loaded other healthy
+        backend serving its model, with room or not (the engine queues it; failing a request
+        the client was promised is worse than one over the seats)."""
+        return self.pick(exclude=exclude, model=model) or min(
+            (b for b in self._eligible(model, exclude) if b.healthy), key=_load, default=None)
 
     async def start(self) -> None:
         for b in self.backends:

@@ -47,11 +47,11 @@ class Dispatcher:
             picked = self._next()
             if picked is None:
                 return
-            item, backend = picked
+            item, backend, keep_headroom = picked
             self._gauge(item)
             if item.affinity is not None:  # the replica that likely holds its prefix
-                backend = self.pool.pick_affine(item.affinity, item.model,
-                                                self.load_factor) or backend
+                backend = self.pool.pick_affine(item.affinity, item.model, self.load_factor,
+                                                keep_headroom) or backend
             self._hand(item, backend)
 
     def _hand(self, item: QueuedRequest, backend: Backend) -> None:
@@ -60,13 +60,14 @@ class Dispatcher:
             self.queue.finish(item, 0, 0)
             return
         backend.inflight += 1
+        backend.dispatched(item.cost)
         future.set_result(backend)
 
-    def _next(self) -> tuple[QueuedRequest, Backend] | None:
-        """The request to dispatch and its backend: anyone's where seats outside the headroom
-        are free, else only a tenant's under its share (into the headroom). In a pool of
-        several models, the next request whose model has a backend with room, and that one
-        (headroom is not kept there)."""
+    def _next(self) -> tuple[QueuedRequest, Backend, bool] | None:
+        """The request to dispatch, its backend, and whether the headroom was kept: anyone's
+        where seats outside the headroom are free, else only a tenant's under its share (into
+        the headroom). In a pool of several models, the next request whose model has a backend
+        with room, and that one (headroom is not kept there)."""
         if len(self.pool.model_names()) > 1:
             return self._next_by_model()
         backend = self.pool.pick()
@@ -74,16 +75,16 @@ class Dispatcher:
             return None
         if self.queue.policy == "fcfs" or self.pool.headroom <= 0:
             item = self.queue.pop()
-            return None if item is None else (item, backend)
+            return None if item is None else (item, backend, False)
         shared = self.pool.pick(keep_headroom=True)
         if shared is not None:
             item = self.queue.pop()
-            return None if item is None else (item, shared)
+            return None if item is None else (item, shared, True)
         room, weight = self.pool.capacity(), self.queue.active_weight()
         item = self.queue.pop(lambda tq, _: self.queue.under_share(tq, room, weight))
-        return None if item is None else (item, backend)
+        return None if item is None else (item, backend, False)
 
-    def _next_by_model(self) -> tuple[QueuedRequest, Backend] | None:
+    def _next_by_model(self) -> tuple[QueuedRequest, Backend, bool] | None:
         rooms: dict[str | None, Backend | None] = {}
 
         def room(model: str | None) -> Backend | None:
@@ -96,17 +97,18 @@ class Dispatcher:
             return None
         backend = room(item.model)
         assert backend is not None  # the pop only takes a request whose model has room
-        return item, backend
+        return item, backend, False
 
     def failover(self, item: QueuedRequest, failed: Backend, model: str | None) -> Backend | None:
-        """`item`'s backend failed before any byte of an answer: another with room that serves
-        its model takes it now (its slot moves; its tenant's counters are unchanged: it is the
-        same request), or None."""
-        other = self.pool.pick(exclude=failed, model=model)
+        """`item`'s backend failed before any byte of an answer: another healthy one that serves
+        its model takes it now, with room if one has it (its slot moves; its tenant's counters
+        are unchanged: it is the same request), or None."""
+        other = self.pool.fallback(failed, model)
         if other is None:
             return None
         failed.inflight -= 1
         other.inflight += 1
+        other.dispatched(item.cost)
         self.metrics.child("failovers", failed.name).inc()
         return other
 

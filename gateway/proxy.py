@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.backends import Backend, BackendUnavailable, BackendUnreachable
+from gateway.backends import Backend, BackendFailed, BackendUnavailable, Outcome
 from gateway.service import Admission
 from gateway.state import AUTH, GATEWAY, SETTINGS
 from protocol.errors import ApiError
@@ -78,15 +78,16 @@ async def _handle(request: web.Request, endpoint: str) -> web.StreamResponse:
                     return await _stream(request, adm, backend, deadline)
                 async with asyncio.timeout_at(deadline):
                     return await _whole(adm, backend)
-            except BackendUnreachable:
-                # nothing reached the client: another replica takes it, once
+            except BackendFailed as exc:
+                # it broke before any byte reached the client: another replica takes it, once
                 other = None if retried else gw.dispatcher.failover(adm.item, backend,
                                                                     req.model)
                 if other is None:
                     raise
-                log.warning("failover: %s was unreachable before answering; %s takes the "
-                            "request", backend.name, other.name)
+                log.warning("failover: %s failed before answering (%s); %s takes the request",
+                            backend.name, exc, other.name)
                 backend = adm.backend = other
+                adm.outcome = Outcome(prompt_tokens=adm.cost.prompt_tokens)
         raise AssertionError("unreachable")  # the loop returns or raises
     except ApiError as exc:
         adm.settle(exc.status)

@@ -169,6 +169,31 @@ async def test_too_many_waiting_tokens_is_overloaded() -> None:
     assert (await pending).finish_reason == "abort"
 
 
+async def test_load_reports_outstanding_work_for_routing() -> None:
+    """`outstanding_tokens`: every unfinished request's prefill left plus outputs left at most
+    (what a gateway's least-loaded routing weighs), shrinking as outputs come."""
+    engine = AsyncEngine(slow_config(max_num_seqs=1))
+    await engine.start()
+    try:
+        assert engine.load()["outstanding_tokens"] == 0
+        running = engine.generate("run", [1] * 10, SamplingParams(max_tokens=1000))
+        first = await anext(running)
+        waiting = engine.generate("wait", [1] * 300, SamplingParams(max_tokens=50))
+        pending = asyncio.create_task(anext(waiting))
+        await wait_for(lambda: engine.load()["waiting"] == 1)
+        done = first.num_output_tokens
+        # the waiting one's 300 + 50, the running one's 1000 less what it has generated
+        assert 350 + 1000 - engine.load()["outstanding_tokens"] >= done
+        assert engine.load()["outstanding_tokens"] > 350  # the running one is not done
+        await running.aclose()
+        await wait_for(lambda: engine.load()["outstanding_tokens"] <= 350)
+        await pending
+        await waiting.aclose()
+        await wait_for(lambda: engine.load()["outstanding_tokens"] == 0)
+    finally:
+        await engine.shutdown()
+
+
 async def test_shutdown_aborts_every_stream_and_frees_blocks() -> None:
     engine = AsyncEngine(slow_config())
     await engine.start()

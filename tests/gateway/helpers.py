@@ -72,6 +72,12 @@ class ControlledBackend:
     def has_room(self) -> bool:
         return self.inflight < self.capacity_
 
+    def outstanding_tokens(self) -> int:
+        return 0  # by requests in flight alone
+
+    def dispatched(self, tokens: int) -> None:
+        pass
+
     def count_prompt(self, req: OpenAIRequest) -> int:
         return len(prompt_text(req)) + 1
 

@@ -33,6 +33,12 @@ class Seats:
     def has_room(self) -> bool:
         return self.inflight < self.capacity()
 
+    def outstanding_tokens(self) -> int:
+        return 0  # by requests in flight alone
+
+    def dispatched(self, tokens: int) -> None:
+        pass
+
 
 class Clock:
     def __init__(self) -> None:

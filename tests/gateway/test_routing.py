@@ -4,7 +4,10 @@ that fails before any byte of an answer hands the request to another replica, on
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any
+
+from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -14,6 +17,7 @@ from tests.support.waiting import wait_for
 from tuner.fake_server import SCRIPT, make_fake_app
 
 REALTIME = EngineConfig(executor="sim", max_model_len=512)
+HUNG_UP = web.AppKey("hung_up", list[int])
 
 
 async def _fake(aiohttp_server: Any, model: str) -> Any:
@@ -139,3 +143,106 @@ def test_routing_settings_are_checked() -> None:
             assert message in str(exc)
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+def _hang_up_app(model: str) -> Any:
+    """An OpenAI server whose completions accept the request and hang up without a byte."""
+    async def models(_: Any) -> Any:
+        return web.json_response({"object": "list", "data": [{"id": model}]})
+
+    async def hang_up(request: Any) -> Any:
+        await request.read()
+        request.transport.abort()
+        return web.Response()
+
+    app = web.Application()
+    app[HUNG_UP] = [0]
+    app.router.add_get("/v1/models", models)
+
+    async def counted(request: Any) -> Any:
+        app[HUNG_UP][0] += 1
+        return await hang_up(request)
+
+    app.router.add_post("/v1/completions", counted)
+    return app
+
+
+async def test_a_connection_cut_before_the_first_byte_is_retried_on_another_replica(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str) -> None:
+    """The engine took the request and died before answering (not just a refused connect):
+    the client has seen nothing, so another replica serves it."""
+    broken = await aiohttp_server(_hang_up_app("m"))
+    fine = await _fake(aiohttp_server, "m")
+    h = await start_gateway(aiohttp_client, db_url, gateway={
+        "backend_poll_interval_s": 5.0, "backends": [
+            {"url": str(broken.make_url("/")), "kind": "openai", "max_inflight": 64},
+            {"url": str(fine.make_url("/")), "kind": "openai", "max_inflight": 1}]})
+    await _ready(h, 2)
+    # the fine one is full (max_inflight 1) while this runs: the retry goes there anyway
+    full = h.gateway.pool.backends[1]
+    full.inflight += 1
+    resp = await h.post("acme", {**completion("hi", stream=True), "model": "m"})
+    events = [e async for e in collect(resp)]
+    full.inflight -= 1
+    assert resp.status == 200 and events[-1]["choices"][0]["finish_reason"] == "length"
+    # (twice there when the first try went on a kept-alive connection: that one is resent)
+    assert broken.app[HUNG_UP][0] >= 1 and len(fine.app[SCRIPT].received) == 1
+    assert h.gateway.metrics.registry.get_sample_value(
+        "fairgate_gateway_failovers_total", {"backend": h.gateway.pool.backends[0].name}) == 1
+
+
+def test_least_loaded_is_by_outstanding_tokens_per_seat() -> None:
+    from gateway.backends import BackendPool
+
+    small, big = Replica("small", seats_=4, tokens=800), Replica("big", seats_=16, tokens=1600)
+    pool = BackendPool([small, big])
+    assert pool.pick() is big  # 100 tokens a seat against 200, though it holds more work
+    big.tokens = 4000
+    assert pool.pick() is small
+    small.tokens = big.tokens = 0  # no token figures (an OpenAI server idle): by requests
+    small.inflight, big.inflight = 1, 2
+    assert pool.pick() is big  # 2 of its room of 18 against 1 of 6
+    assert pool.pick(model="other") is None  # neither serves it
+    big.healthy = False
+    assert pool.pick() is small and pool.fallback(small, None) is None
+    small.room = False  # full: a request that failed elsewhere still goes to a healthy one
+    assert pool.pick() is None and pool.fallback(big, None) is small
+
+
+def test_prefix_routing_keeps_the_headroom_when_asked() -> None:
+    from gateway.backends import BackendPool
+
+    a, b = Replica("a", seats_=4), Replica("b", seats_=4)
+    pool = BackendPool([a, b], headroom=0.25)  # one seat of each kept for tenants under share
+    key = next(k for k in range(100) if pool.pick_affine(k, None, 2.0) is a)
+    a.inflight = 3  # its seats outside the headroom are taken
+    assert pool.pick_affine(key, None, 2.0) is a  # under its share: the headroom is its
+    assert pool.pick_affine(key, None, 2.0, keep_headroom=True) is b
+
+
+@dataclass
+class Replica:
+    name: str
+    seats_: int = 8
+    tokens: int = 0
+    inflight: int = 0
+    healthy: bool = True
+    room: bool = True
+    model_name: str = "m"
+    max_model_len: int = 512
+    handed: list[int] = field(default_factory=list)
+
+    def seats(self) -> int:
+        return self.seats_
+
+    def capacity(self) -> int:
+        return self.seats_ + 2
+
+    def has_room(self) -> bool:
+        return self.healthy and self.room
+
+    def outstanding_tokens(self) -> int:
+        return self.tokens
+
+    def dispatched(self, tokens: int) -> None:
+        self.handed.append(tokens)
