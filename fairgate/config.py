@@ -5,6 +5,7 @@ assembles what `fairgate serve` needs (`FairgateConfig`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,11 +77,16 @@ class FairgateConfig:
     database: str = DEFAULT_DATABASE_URL
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FairgateConfig:
+    def from_dict(cls, data: dict[str, Any],
+                  environ: Mapping[str, str] | None = None) -> FairgateConfig:
+        """`environ`: the variables that override the file (`fairgate serve` passes os.environ:
+        FAIRGATE_ADMIN_KEY, see GatewayConfig.with_environment); None: the file alone."""
+        gateway = GatewayConfig.from_dict(section(data, "gateway"))
         return cls(engine=EngineConfig.from_dict(section(data, "engine")),
-                   gateway=GatewayConfig.from_dict(section(data, "gateway")),
+                   gateway=gateway if environ is None else gateway.with_environment(environ),
                    database=database_url(data))
 
     @classmethod
-    def load(cls, path: str | Path | None) -> FairgateConfig:
-        return cls.from_dict(load_config_file(path))
+    def load(cls, path: str | Path | None,
+             environ: Mapping[str, str] | None = None) -> FairgateConfig:
+        return cls.from_dict(load_config_file(path), environ)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fairgate.tune_cli import ADMIN_KEY_ENV
+from gateway.config import ADMIN_KEY_ENV
 from tuner.remote import error_text, request_json
 
 GATEWAY_ENV = "FAIRGATE_GATEWAY"

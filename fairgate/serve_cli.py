@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from engine.server import freeze_startup_heap, install_fast_event_loop
 from fairgate.config import FairgateConfig
 from gateway.app import DEMO_TENANT, make_app, make_metrics_app
+from gateway.config import ADMIN_KEY_ENV
 from protocol.serving import serve, setup_logging
 
 
@@ -27,7 +29,7 @@ def print_demo_key(key: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    config = FairgateConfig.load(args.config)
+    config = FairgateConfig.load(args.config, os.environ)
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port
     app = make_app(config.gateway, engine=config.engine, database=config.database,
@@ -35,8 +37,10 @@ def run(args: argparse.Namespace) -> int:
     app.on_startup.append(freeze_startup_heap)  # after the database and backends started
     backends = ", ".join(b.url for b in config.gateway.backends) or (
         f"embedded {config.engine.model} ({config.engine.executor})")
+    admin = (f"${ADMIN_KEY_ENV}" if os.environ.get(ADMIN_KEY_ENV) else  # it wins over the file
+             "gateway.admin_key" if config.gateway.admin_key else "off")
     print(f"fairgate gateway on http://{host}:{port} -> {backends}; "
-          f"dispatch={config.gateway.dispatch}", flush=True)
+          f"dispatch={config.gateway.dispatch}; admin key: {admin}", flush=True)
     # handler_cancellation: a client that hangs up cancels its handler, which removes it from
     # the queue or aborts its engine request at once.
     settings = config.gateway

@@ -42,6 +42,7 @@ from typing import Any
 
 from fairgate.config import database_url, load_config_file
 from fairgate.engine_cli import build_config
+from gateway.config import ADMIN_KEY_ENV  # a tune job's worker gets the key here, never in argv
 from protocol.measures import SLO
 from protocol.validators import check_int, check_number, check_positive_int
 from tuner.bench_cli import plan_requests
@@ -63,7 +64,6 @@ from tuner.study import (
 from tuner.traces import TRACE_FORMATS, TraceRequest
 from tuner.workload import WORKLOADS
 
-ADMIN_KEY_ENV = "FAIRGATE_ADMIN_KEY"  # how a tune job's worker gets it: never on a command line
 STORAGE_ENV = "FAIRGATE_TUNE_STORAGE"  # the default --storage (a URL may hold a password)
 
 DEFAULT_TRIALS = 30

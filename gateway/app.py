@@ -15,6 +15,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -28,7 +29,8 @@ from gateway.dispatch import tick
 from gateway.jobs import JobManager
 from gateway.metrics import GatewayMetrics
 from gateway.service import Gateway
-from gateway.shared import make_limiter
+from gateway.shared import SharedRateLimiter, make_limiter
+from gateway.shared_fair import SharedFairState
 from gateway.state import AUTH, GATEWAY, JOBS, METRICS, SETTINGS, STORE
 from protocol.errors import ApiError
 from protocol.http import error_middleware
@@ -61,6 +63,9 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     pool = _pool(settings, engine, backends, lambda: gw.dispatcher.pump())
     limiter, shared_state = make_limiter(settings.redis, metrics)
     gw = Gateway(settings, pool, _ledger(store, settings, database), metrics, limiter)
+    if isinstance(limiter, SharedRateLimiter):  # queue bounds and fair share over replicas
+        gw.shared_fair = SharedFairState(limiter, gw.queue, metrics,
+                                         on_change=lambda: gw.dispatcher.pump())
     app[SETTINGS], app[STORE], app[METRICS] = settings, store, metrics
     app[GATEWAY] = gw
     app[AUTH] = Authenticator(store, settings.admin_key,
@@ -75,6 +80,8 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker, _shadows, _jobs])
     if shared_state is not None:  # Redis for the rate windows: stopped first, settles drained
         app.cleanup_ctx.append(shared_state)
+    if gw.shared_fair is not None:  # starts once Redis is connected, stops before it closes
+        app.cleanup_ctx.append(gw.shared_fair.lifespan)
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     admin.add_routes(app)
@@ -263,6 +270,13 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def _shared_state(gw: Gateway) -> dict[str, Any]:
+    status = gw.limiter.shared_state_status()
+    if gw.shared_fair is not None:
+        status = {**status, "detail": f"{status['detail']}; {gw.shared_fair.status()}"}
+    return status
+
+
 async def readyz(request: web.Request) -> web.Response:
     """Ready when a backend is reachable and the tenant database answers (without it no new
     key can be authenticated), with what is wrong when not."""
@@ -273,6 +287,6 @@ async def readyz(request: web.Request) -> web.Response:
               "database": {"ok": True} if database is None else
               {"ok": False, "detail": database},
               # reported, not a reason to be unready: without Redis, limits are local
-              "shared_state": request.app[GATEWAY].limiter.shared_state_status()}
+              "shared_state": _shared_state(request.app[GATEWAY])}
     ready = backends and database is None
     return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)

@@ -358,7 +358,8 @@ class RemoteBackend:
                 # what the engine holds beyond ours: other gateways' (a request of ours still on
                 # its way makes this an undercount, never an overcount)
                 held = sum(int(self.load.get(k, 0)) for k in ("running", "waiting", "swapped"))
-                self.others = max(0, held - ours)
+                # (ours that ended while it was asked are gone from its answer too)
+                self.others = max(0, held - min(ours, self.inflight))
                 self.max_model_len = int(self.config.max_model_len
                                          or self.load.get("max_model_len", self.max_model_len))
             # A backend that timed out stays down for a while even when its web side answers:

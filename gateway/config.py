@@ -7,7 +7,8 @@ Every key has a default; an unknown key or a wrong value is a ValueError naming 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,6 +32,10 @@ ROUTING_POLICIES = ("least_loaded", "prefix")
 # request_timeout_s (600 s).
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 60.0
 DEFAULT_STALL_TIMEOUT_S = 30.0
+# The gateway's admin key from the environment (a Kubernetes Secret, compose's .env): `fairgate
+# serve` takes it over gateway.admin_key; `fairgate jobs` and `fairgate tune` send it, and a tune
+# job's worker is given it the same way.
+ADMIN_KEY_ENV = "FAIRGATE_ADMIN_KEY"
 
 
 @dataclass(frozen=True)
@@ -265,9 +270,8 @@ class GatewayConfig:
                      "backend_retry_after_s", "backend_first_byte_timeout_s",
                      "backend_stall_timeout_s"):
             check_number(f"gateway.{name}", getattr(self, name), low=0, open_low=True)
-        if self.admin_key is not None and (not isinstance(self.admin_key, str)
-                                           or len(self.admin_key) < 16):
-            raise ValueError("gateway.admin_key must be a string of at least 16 characters")
+        if self.admin_key is not None:
+            check_admin_key("gateway.admin_key", self.admin_key)
         for name in ("demo_tenant", "log_requests"):
             check_bool(f"gateway.{name}", getattr(self, name))
         if self.metrics_port is not None:
@@ -284,6 +288,14 @@ class GatewayConfig:
         if not isinstance(self.usage_spill_dir, str) or not self.usage_spill_dir:
             raise ValueError("gateway.usage_spill_dir must be a directory path")
         check_positive_int("gateway.auth_failure_burst", self.auth_failure_burst)
+
+    def with_environment(self, environ: Mapping[str, str]) -> GatewayConfig:
+        """This config with $FAIRGATE_ADMIN_KEY, when set and not empty, as the admin key,
+        whatever the file says: the key can then live in a Secret and the file in a ConfigMap."""
+        key = environ.get(ADMIN_KEY_ENV)
+        if not key:
+            return self
+        return replace(self, admin_key=check_admin_key(ADMIN_KEY_ENV, key))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> GatewayConfig:
@@ -310,6 +322,13 @@ class GatewayConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"gateway.shadow names must be unique, got {names}")
         return from_mapping(cls, values, "gateway")
+
+
+def check_admin_key(name: str, value: object) -> str:
+    """The admin key, from the file (`gateway.admin_key`) or the environment (`ADMIN_KEY_ENV`)."""
+    if not isinstance(value, str) or len(value) < 16:
+        raise ValueError(f"{name} must be a string of at least 16 characters")
+    return value
 
 
 def _backend(value: Any) -> BackendConfig:

@@ -12,15 +12,23 @@ light tenant's request is dispatched at once and starts in the engine's next ste
 waiting for a seat to turn over and then behind the backlogged tenant's slack in the engine's
 waiting queue. A tenant alone is under its share of everything, so it still uses every seat:
 no capacity idles while only one tenant has work.
+
+Gateway replicas (`gateway.redis`): while a tenant waits on another replica, a tenant here over
+its share of the seats (counted on every replica) waits for that one to take its share first;
+the other replica fills the room this one leaves. The room itself counts the other replicas'
+requests on a shared engine (from its /load).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from gateway.backends import Backend, BackendPool
-from gateway.fairqueue import FairQueue, QueueBounds, QueuedRequest
+from gateway.fairqueue import Admit, FairQueue, QueueBounds, QueuedRequest
 from gateway.metrics import GatewayMetrics
+
+HOLD_S = 0.05  # room held for a tenant waiting elsewhere this long is given to anyone here
 
 
 class Dispatcher:
@@ -30,6 +38,7 @@ class Dispatcher:
         self.pool = pool
         self.metrics = metrics
         self.load_factor = load_factor  # prefix routing's bound on a replica's load
+        self._held_since: float | None = None  # the cross-replica gate held all back since
 
 
     def submit(self, item: QueuedRequest, bounds: QueueBounds) -> asyncio.Future[Backend]:
@@ -68,23 +77,47 @@ class Dispatcher:
         where seats outside the headroom are free, else only a tenant's under its share (into
         the headroom). In a pool of several models, the next request whose model has a backend
         with room, and that one (headroom is not kept there)."""
+        gate = self._gate()
         if len(self.pool.model_names()) > 1:
-            return self._next_by_model()
+            return self._next_by_model(gate)
         backend = self.pool.pick()
         if backend is None:
             return None
         if self.queue.policy == "fcfs" or self.pool.headroom <= 0:
-            item = self.queue.pop()
+            item = self.queue.pop(gate)
+            self._held(gate, item)
             return None if item is None else (item, backend, False)
         shared = self.pool.pick(keep_headroom=True)
         if shared is not None:
-            item = self.queue.pop()
+            item = self.queue.pop(gate)
+            self._held(gate, item)
             return None if item is None else (item, shared, True)
         room, weight = self.pool.capacity(), self.queue.active_weight()
         item = self.queue.pop(lambda tq, _: self.queue.under_share(tq, room, weight))
         return None if item is None else (item, backend, False)
 
-    def _next_by_model(self) -> tuple[QueuedRequest, Backend, bool] | None:
+    def _gate(self) -> Admit | None:
+        """With tenants waiting on other gateway replicas (`gateway.redis`): only a tenant
+        fair to them may take a seat here (FairQueue.fair_to_others), patiently once room has
+        stayed free for HOLD_S while it held everyone back; else None (anyone)."""
+        if self.queue.policy == "fcfs" or not self.queue.remote_backlog():
+            self._held_since = None
+            return None
+        room, weight = self.pool.capacity(), self.queue.active_weight()
+        patient = (self._held_since is not None
+                   and time.monotonic() - self._held_since >= HOLD_S)
+        return lambda tq, _: self.queue.fair_to_others(tq, room, weight, patient)
+
+    def _held(self, gate: Admit | None, item: QueuedRequest | None) -> None:
+        """After a pop with room: note when the gate first held every request back (and look
+        again once it turns patient); a dispatch ends the hold."""
+        if item is not None or gate is None:
+            self._held_since = None
+        elif self._held_since is None:
+            self._held_since = time.monotonic()
+            asyncio.get_running_loop().call_later(HOLD_S, self.pump)
+
+    def _next_by_model(self, gate: Admit | None) -> tuple[QueuedRequest, Backend, bool] | None:
         rooms: dict[str | None, Backend | None] = {}
 
         def room(model: str | None) -> Backend | None:
@@ -92,7 +125,9 @@ class Dispatcher:
                 rooms[model] = self.pool.pick(model=model)
             return rooms[model]
 
-        item = self.queue.pop(lambda _, head: room(head.model) is not None)
+        item = self.queue.pop(lambda tq, head: room(head.model) is not None
+                              and (gate is None or gate(tq, head)))
+        self._held(gate, item)
         if item is None:
             return None
         backend = room(item.model)

@@ -13,6 +13,15 @@ weights of the tenants active now or lately (SHARE_WINDOW_S, so a light tenant b
 requests keeps its place). `pop(admit)` lets the dispatcher restrict a pick to tenants under
 their share when only the headroom it keeps for them is free (see gateway.dispatch).
 
+Other gateway replicas (`gateway.redis`, gateway/shared_fair.py): `remote` holds their
+tenants' queued and running counts as of the last sync (a few tens of milliseconds old). Queue
+bounds count a tenant's requests queued on every replica; shares count its requests running on
+every replica and the weights of tenants active anywhere; `fair_to_others` holds back a tenant
+over its share while a tenant backlogged anywhere is under its own (so a tenant that reaches
+the gateway only through one replica still gets its share of the engines every replica feeds);
+and `add_remote_service` advances a tenant's counter by its service elsewhere, so the virtual
+counters are one set across replicas.
+
 Bounds (queued requests, queued estimated tokens) are checked on push. A full queue answers with
 when a slot frees: the tenant's running requests finish at their expected times (the tenant's
 recent seconds per output token times each request's estimated output, less the time it has run
@@ -53,6 +62,24 @@ class QueueBounds:
     max_concurrent: int | None = None  # dispatched and unfinished
 
 
+@dataclass(frozen=True)
+class RemoteTenant:
+    """A tenant on the other gateway replicas, summed over them (as of the last sync)."""
+
+    queued_requests: int = 0
+    queued_tokens: int = 0
+    running: int = 0
+    weight: float = 1.0
+    ready: int = 0  # queued where its concurrency cap lets it run now
+
+    @property
+    def active(self) -> bool:
+        return bool(self.queued_requests or self.running)
+
+
+NO_REMOTE = RemoteTenant()
+
+
 class QueueFull(Exception):
     def __init__(self, reason: str, retry_after: float, message: str) -> None:
         super().__init__(message)
@@ -91,6 +118,7 @@ class TenantQueue:
     queued_tokens: int = 0
     running: int = 0
     counter: float = 0.0  # VTC virtual service, in weighted tokens
+    served: float = 0.0  # the weighted tokens this replica charged it (what others add)
     drained: deque[tuple[float, int]] = field(default_factory=deque)  # (time, cost) dispatched
     last_active: float = float("-inf")  # last push, dispatch or finish
     inflight: dict[int, QueuedRequest] = field(default_factory=dict)  # dispatched, by seq
@@ -127,6 +155,9 @@ class FairQueue:
         self._vtime = 0.0  # counter of the last dispatch: the floor when no one is backlogged
         self.pace: float | None = None  # every tenant's pace: the estimate for a new tenant
         self.size = 0
+        # the other gateway replicas' tenants (gateway.redis), replaced whole by each sync
+        self.remote: dict[str, RemoteTenant] = {}
+        self.on_change: Callable[[], None] | None = None  # a dispatch or a finish happened
 
     def __len__(self) -> int:
         return self.size
@@ -161,17 +192,20 @@ class FairQueue:
 
     def _check_room(self, tq: TenantQueue, item: QueuedRequest) -> None:
         b, now = tq.bounds, self.clock()
-        if b.max_requests is not None and tq.queued_requests + 1 > b.max_requests:
-            excess = tq.queued_requests + 1 - b.max_requests
+        elsewhere = self.remote.get(tq.name, NO_REMOTE)
+        queued_requests = tq.queued_requests + elsewhere.queued_requests
+        queued_tokens = tq.queued_tokens + elsewhere.queued_tokens
+        if b.max_requests is not None and queued_requests + 1 > b.max_requests:
+            excess = queued_requests + 1 - b.max_requests
             raise QueueFull("queue_requests", self._retry(tq, now, excess, "requests"),
                             f"too many queued requests for tenant {tq.name} "
                             f"(max_queued_requests={b.max_requests})")
-        if b.max_tokens is not None and tq.queued_tokens + item.cost > b.max_tokens:
+        if b.max_tokens is not None and queued_tokens + item.cost > b.max_tokens:
             if item.cost > b.max_tokens:  # never fits; say so, without a retry that cannot help
                 raise QueueFull("queue_tokens", _MAX_RETRY_S,
                                 f"request's estimated cost ({item.cost} tokens) exceeds "
                                 f"max_queued_tokens ({b.max_tokens})")
-            excess = tq.queued_tokens + item.cost - b.max_tokens
+            excess = queued_tokens + item.cost - b.max_tokens
             raise QueueFull("queue_tokens", self._retry(tq, now, excess, "tokens"),
                             f"too many queued tokens for tenant {tq.name} "
                             f"(max_queued_tokens={b.max_tokens})")
@@ -227,12 +261,16 @@ class FairQueue:
         tq, item = picked
         self._take(tq, item)
         self._vtime = max(self._vtime, tq.counter)
-        tq.counter += self.cost.cost(item.input_tokens, item.output_tokens) / tq.weight
+        charge = self.cost.cost(item.input_tokens, item.output_tokens) / tq.weight
+        tq.counter += charge
+        tq.served += charge
         tq.running += 1
         tq.last_active = item.dispatched_at = self.clock()
         tq.drained.append((tq.last_active, item.cost))
         tq.inflight[item.seq] = item
         item.state = "dispatched"
+        if self.on_change is not None:
+            self.on_change()
         return item
 
     def _pick_fair(self, admit: Admit | None) -> tuple[TenantQueue, QueuedRequest] | None:
@@ -296,6 +334,7 @@ class FairQueue:
         estimated = self.cost.cost(item.input_tokens, item.output_tokens)
         actual = self.cost.cost(input_tokens, output_tokens)
         tq.counter += (actual - estimated) / tq.weight
+        tq.served += (actual - estimated) / tq.weight
         tq.running -= 1
         tq.last_active = self.clock()
         tq.inflight.pop(item.seq, None)
@@ -304,18 +343,65 @@ class FairQueue:
             tq.pace = _smooth(tq.pace, pace)
             self.pace = _smooth(self.pace, pace)
         item.state = "finished"
+        if self.on_change is not None:
+            self.on_change()
 
     # ---- shares -------------------------------------------------------------------------------
     def active_weight(self) -> float:
-        """The weights of the tenants that share the seats now: queued, running or lately seen."""
+        """The weights of the tenants that share the seats now: queued, running or lately seen
+        here, or queued or running on another replica."""
         since = self.clock() - SHARE_WINDOW_S
-        return sum(tq.weight for tq in self.tenants.values()
-                   if tq.queued_requests or tq.running or tq.last_active >= since)
+        here = {name: tq.weight for name, tq in self.tenants.items()
+                if tq.queued_requests or tq.running or tq.last_active >= since}
+        there = {name: r.weight for name, r in self.remote.items()
+                 if r.active and name not in here}
+        return sum(here.values()) + sum(there.values())
+
+    def running(self, name: str) -> int:
+        """The tenant's requests running on every replica."""
+        tq = self.tenants.get(name)
+        return (tq.running if tq else 0) + self.remote.get(name, NO_REMOTE).running
+
+    def under_share(self, tq: TenantQueue, room: int, active_weight: float) -> bool:
+        """Fewer of `tq`'s requests run (on every replica) than its weighted share of `room`
+        (requests)."""
+        return self._under(self.running(tq.name), tq.weight, room, active_weight)
 
     @staticmethod
-    def under_share(tq: TenantQueue, room: int, active_weight: float) -> bool:
-        """Fewer of `tq`'s requests run than its weighted share of `room` (requests)."""
-        return tq.running * max(active_weight, tq.weight) < room * tq.weight
+    def _under(running: int, weight: float, room: int, active_weight: float) -> bool:
+        return running * max(active_weight, weight) < room * weight
+
+    def remote_backlog(self) -> bool:
+        """Some tenant waits on another replica (then `fair_to_others` matters)."""
+        return any(r.ready for r in self.remote.values())
+
+    def fair_to_others(self, tq: TenantQueue, room: int, active_weight: float,
+                       patient: bool = False) -> bool:
+        """May `tq` take a seat with tenants waiting on other replicas: it is under its share,
+        or no other tenant waiting anywhere is at or under its own. What the other replicas
+        run is a sync old, so a tenant that looks exactly at its share may be one under (a
+        request of it just finished; its replica is about to fill the seat): it is waited for
+        until `patient` (the room stayed free a while), then only one under its share holds
+        `tq` back (work-conserving)."""
+        if self.under_share(tq, room, active_weight):
+            return True
+        waiting = {name: other.weight for name, other in self.tenants.items()
+                   if other.queued_requests and other.can_run}
+        for name, r in self.remote.items():
+            if r.ready:
+                waiting[name] = max(r.weight, waiting.get(name, 0.0))
+        waiting.pop(tq.name, None)
+        slack = 0 if patient else 1
+        return not any(self._under(self.running(name) - slack, weight, room, active_weight)
+                       for name, weight in waiting.items())
+
+    def add_remote_service(self, service: dict[str, float]) -> None:
+        """Weighted tokens other replicas charged these tenants since the last sync: their
+        counters here advance by as much (one set of virtual counters across replicas)."""
+        for name, amount in service.items():
+            tq = self.tenants.get(name)
+            if tq is not None and amount:
+                tq.counter += amount
 
     # ---- views --------------------------------------------------------------------------------
     def depth(self, tenant: str) -> tuple[int, int]:
@@ -330,6 +416,15 @@ class FairQueue:
         return {name: {"queued_requests": tq.queued_requests, "queued_tokens": tq.queued_tokens,
                        "running": tq.running, "counter": round(tq.counter, 1),
                        "weight": tq.weight} for name, tq in self.tenants.items()}
+
+    def shared_view(self) -> dict[str, list[float]]:
+        """What this replica tells the others: [queued requests, queued tokens, running, weight,
+        served, ready (queued and free to run)] of each tenant active lately."""
+        since = self.clock() - DRAIN_WINDOW_S
+        return {name: [tq.queued_requests, tq.queued_tokens, tq.running, tq.weight,
+                       round(tq.served, 3), tq.queued_requests if tq.can_run else 0]
+                for name, tq in self.tenants.items()
+                if tq.queued_requests or tq.running or tq.last_active >= since}
 
 
 def _smooth(old: float | None, new: float) -> float:

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from engine.config import EngineConfig
+from gateway.config import ADMIN_KEY_ENV
 from protocol.errors import ApiError, bad_request
 from protocol.openai import server_root
 from tenants.jobs import ACTIVE_STATES, JobRecord, JobStore
@@ -538,7 +539,7 @@ class JobManager:
         env = dict(os.environ, FAIRGATE_PARENT_PID=str(os.getpid()),  # dies with us
                    FAIRGATE_TUNE_STORAGE=self.storage)
         if self.admin_key is not None:
-            env["FAIRGATE_ADMIN_KEY"] = self.admin_key
+            env[ADMIN_KEY_ENV] = self.admin_key  # the same variable `fairgate serve` reads
         try:
             if job.target is not None:
                 await self._snapshot(job)

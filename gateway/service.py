@@ -35,6 +35,7 @@ from gateway.dispatch import Dispatcher
 from gateway.fairqueue import FairQueue, QueueBounds, QueuedRequest, QueueFull
 from gateway.metrics import GatewayMetrics
 from gateway.shadow import ShadowSet
+from gateway.shared_fair import SharedFairState
 from protocol.errors import ApiError, bad_request
 from protocol.measures import SLO, RequestTiming
 from protocol.openai import OpenAIRequest, prompt_text, resolve_max_tokens
@@ -104,6 +105,8 @@ class Gateway:
         self.ledger = ledger
         self.metrics = metrics
         self.limiter: Limiter = limiter or RateLimiter()  # gateway.shared: through Redis
+        # gateway.redis: queue bounds and fair share over replicas (gateway/shared_fair.py)
+        self.shared_fair: SharedFairState | None = None
         self.estimator = OutputEstimator()
         self.queue = FairQueue(config.dispatch)
         self.dispatcher = Dispatcher(self.queue, self.pool, metrics, config.prefix_load_factor)

@@ -181,6 +181,7 @@ class SharedRateLimiter:
         self._ids = itertools.count()
         self._replica = os.urandom(6).hex()
         self._client: Any = None
+        self._lua = {"charge": CHARGE_LUA, "settle": SETTLE_LUA, "refund": REFUND_LUA}
         self._scripts: dict[str, Any] = {}
         self._probe: asyncio.Task[None] | None = None
         if metrics is not None:
@@ -223,9 +224,8 @@ class SharedRateLimiter:
         own = self._client.connection_pool.connection_kwargs.get("socket_timeout")
         if isinstance(own, (int, float)) and own > REDIS_TIMEOUT_S:
             self.call_timeout = max(CALL_TIMEOUT_S, 2 * float(own))
-        self._scripts = {name: self._client.register_script(lua) for name, lua in
-                         (("charge", CHARGE_LUA), ("settle", SETTLE_LUA),
-                          ("refund", REFUND_LUA))}
+        self._scripts = {name: self._client.register_script(lua)
+                         for name, lua in self._lua.items()}
         if not await self._ping():
             log.warning("redis at %s does not answer (%s): rate limits are enforced by each "
                         "replica alone, at each tenant's full limit, until it does",
@@ -251,6 +251,22 @@ class SharedRateLimiter:
         """Wait (at most `timeout` s) for the settles and refunds on their way."""
         if self._pending:
             await asyncio.wait(list(self._pending), timeout=timeout)
+
+    def add_script(self, name: str, lua: str) -> None:
+        """A script of another shared part (gateway/shared_fair.py), loaded with these; before
+        `start`."""
+        self._lua[name] = lua
+
+    async def run_script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run a script (bounded by the call timeout); a failure marks Redis down and raises."""
+        try:
+            async with asyncio.timeout(self.call_timeout):
+                return await self._scripts[name](keys=keys, args=args)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._failed(exc)
+            raise
 
     # ---- the Limiter -------------------------------------------------------------------------
     async def charge(self, tenant: str, limits: TenantLimits, tokens: int) -> Charge:

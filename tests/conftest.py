@@ -1,6 +1,10 @@
 """Every test greps its own log records: no API key or admin key may appear in any of them
 (issue 13: credentials are redacted from every log line). pytest captures records at INFO and
-above (`log_level` in pyproject.toml), the levels a deployment logs at."""
+above (`log_level` in pyproject.toml), the levels a deployment logs at.
+
+Every test also starts without the developer's FAIRGATE_ADMIN_KEY and FAIRGATE_KEY_SECRET: a
+`fairgate serve` a test starts inherits the environment, and either would override what the
+test configured."""
 
 from __future__ import annotations
 
@@ -9,6 +13,12 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.credentials import leaked_credentials
+
+
+@pytest.fixture(autouse=True)
+def no_secrets_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("FAIRGATE_ADMIN_KEY", "FAIRGATE_KEY_SECRET"):
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture(autouse=True)

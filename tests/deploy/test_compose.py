@@ -17,7 +17,7 @@ import yaml
 
 from engine.config import EngineConfig
 from fairgate.config import FairgateConfig, load_config_file, section
-from gateway.config import GatewayConfig
+from gateway.config import ADMIN_KEY_ENV, GatewayConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -87,7 +87,11 @@ def test_gateway_config_loads_with_the_project_loader() -> None:
     assert config.database.startswith("postgresql+asyncpg://")
     assert "@postgres:5432/" in config.database
     assert ":" not in config.database.split("//", 1)[1].split("@")[0], "password in the URL"
-    assert gateway.admin_key is not None
+    assert "admin_key" not in section(data, "gateway"), "FAIRGATE_ADMIN_KEY sets it"
+    environment = {name: interpolate(value) for name, value in
+                   services()["gateway"]["environment"].items()}
+    admin_key = FairgateConfig.from_dict(data, environment).gateway.admin_key
+    assert admin_key == environment[ADMIN_KEY_ENV]  # >= 16 characters, or the gateway refuses
     assert gateway.redis == "redis://redis:6379/0"
     assert gateway.host == "0.0.0.0" and gateway.metrics_host == "0.0.0.0"
     engines = sorted(name for name in services() if name.startswith("engine-"))
@@ -113,7 +117,7 @@ def test_the_checkpoint_alternative_loads() -> None:
 
 def test_gateway_secrets_come_from_the_environment() -> None:
     gateway = services()["gateway"]
-    assert {"FAIRGATE_KEY_SECRET", "PGPASSWORD"} <= set(gateway["environment"])
+    assert {ADMIN_KEY_ENV, "FAIRGATE_KEY_SECRET", "PGPASSWORD"} <= set(gateway["environment"])
     postgres = services()["postgres"]["environment"]
     assert interpolate(postgres["POSTGRES_PASSWORD"]) == interpolate(
         gateway["environment"]["PGPASSWORD"])

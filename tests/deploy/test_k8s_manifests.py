@@ -1,14 +1,13 @@
 """deploy/k8s: each overlay renders with `kubectl kustomize`, every rendered object is valid
 against the Kubernetes JSON schemas (offline, `kubernetes-validate`), and the render holds what
 a working install needs: probes on the engine's paths, an HPA that does not scale on CPU alone,
-a PDB, the Secrets the pods name, and a fairgate.yaml the project's loader accepts."""
+a PDB on every Deployment, the Secrets the pods name, and a fairgate.yaml the project's loader
+accepts with the admin key from the Secret."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import yaml
 
 from engine.config import EngineConfig
 from fairgate.config import FairgateConfig, load_config_file, section
-from gateway.config import GatewayConfig
+from gateway.config import ADMIN_KEY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_DIR = ROOT / "deploy" / "k8s"
@@ -151,12 +150,45 @@ def test_hpa_metrics_are_series_the_engine_exports(rendered: list[dict[str, Any]
             assert metric["pods"]["metric"]["name"] in engine_names()
 
 
-def test_a_pdb_guards_the_engines(rendered: list[dict[str, Any]]) -> None:
-    pdb = one(rendered, "PodDisruptionBudget", "fairgate-engine")
-    engine = one(rendered, "Deployment", "fairgate-engine")
-    labels = engine["spec"]["template"]["metadata"]["labels"]
-    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    assert "maxUnavailable" in pdb["spec"] or "minAvailable" in pdb["spec"]
+def selects(selector: dict[str, Any], pod_owner: dict[str, Any]) -> bool:
+    assert set(selector) == {"matchLabels"}, f"only matchLabels are checked here: {selector}"
+    labels = pod_owner["spec"]["template"]["metadata"]["labels"]
+    return bool(selector["matchLabels"].items() <= labels.items())
+
+
+def fewest_replicas(docs: list[dict[str, Any]], deployment: dict[str, Any]) -> int:
+    """The replicas it may run at its lowest: its HPA's minReplicas, else spec.replicas."""
+    name = deployment["metadata"]["name"]
+    for hpa in objects(docs, "HorizontalPodAutoscaler"):
+        if hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": name}:
+            return int(hpa["spec"].get("minReplicas", 1))
+    return int(deployment["spec"].get("replicas", 1))
+
+
+def test_every_deployment_has_one_pdb_that_lets_a_drain_through(
+        rendered: list[dict[str, Any]]) -> None:
+    budgets = objects(rendered, "PodDisruptionBudget")
+    deployments = objects(rendered, "Deployment")
+    assert {"fairgate-engine", "fairgate-gateway"} <= {d["metadata"]["name"] for d in deployments}
+    for deployment in deployments:
+        name = deployment["metadata"]["name"]
+        # an eviction fails outright when two budgets select a pod
+        guarding = [b for b in budgets if selects(b["spec"]["selector"], deployment)]
+        assert len(guarding) == 1, f"{name}: {len(guarding)} PodDisruptionBudgets select its pods"
+        spec = guarding[0]["spec"]
+        replicas = fewest_replicas(rendered, deployment)
+        # at its fewest replicas a drain may still evict one pod (minAvailable == replicas,
+        # e.g. minAvailable 1 on one replica, would block every node drain)
+        if "maxUnavailable" in spec:
+            assert isinstance(spec["maxUnavailable"], int) and spec["maxUnavailable"] >= 1, name
+        else:
+            assert isinstance(spec["minAvailable"], int) and spec["minAvailable"] < replicas, (
+                f"{name}: minAvailable {spec['minAvailable']} of {replicas} blocks every drain")
+    for budget in budgets:
+        selected = [d for d in deployments if selects(budget["spec"]["selector"], d)]
+        assert len(selected) == 1, (f"{budget['metadata']['name']} selects {len(selected)} "
+                                    "Deployments")
 
 
 def test_every_secret_key_a_pod_names_is_rendered(rendered: list[dict[str, Any]]) -> None:
@@ -173,33 +205,44 @@ def test_every_secret_key_a_pod_names_is_rendered(rendered: list[dict[str, Any]]
                 keys = set(secret.get("stringData", {})) | set(secret.get("data", {}))
                 assert ref["key"] in keys, f"Secret {ref['name']} has no key {ref['key']}"
                 named += 1
-    gateway_env = {e["name"] for c in containers(one(rendered, "Deployment", "fairgate-gateway"))
-                   for e in c.get("env", [])}
-    assert {"FAIRGATE_KEY_SECRET", "FAIRGATE_ADMIN_KEY", "PGPASSWORD"} <= gateway_env
+    gateway = container(one(rendered, "Deployment", "fairgate-gateway"), "gateway")
+    assert {ADMIN_KEY_ENV, "FAIRGATE_KEY_SECRET", "PGPASSWORD"} <= {e["name"]
+                                                                   for e in gateway["env"]}
     assert named >= 3
 
 
-def test_gateway_config_renders_and_loads(rendered: list[dict[str, Any]],
-                                          tmp_path: Path) -> None:
-    """Run the gateway's render-config init container's own command on the ConfigMap, with the
-    Secret's values in the environment, and load its output as `fairgate serve` would."""
-    gateway = one(rendered, "Deployment", "fairgate-gateway")
-    template = tmp_path / "template.yaml"
-    template.write_text(config_map_file(rendered, gateway, "config-template", "fairgate.yaml"))
-    init = container(gateway, "render-config")
-    program, flag, code, src, dst = init["command"]
-    assert (program, flag) == ("python", "-c")
-    assert Path(dst) == Path(container(gateway, "gateway")["args"][-1])
-    secret = one(rendered, "Secret", "fairgate-secrets")["stringData"]
-    env = dict(os.environ)
-    for item in init["env"]:
-        env[item["name"]] = secret[item["valueFrom"]["secretKeyRef"]["key"]]
-    output = tmp_path / "fairgate.yaml"
-    subprocess.run([sys.executable, "-c", code, str(template), str(output)], env=env,
-                   check=True, timeout=60)
+def secret_env(docs: list[dict[str, Any]], pod_owner: dict[str, Any],
+               container_name: str) -> dict[str, str]:
+    """The variables `container_name` gets from Secrets, with the rendered Secrets' values."""
+    secrets = {s["metadata"]["name"]: s.get("stringData", {}) for s in objects(docs, "Secret")}
+    env = {}
+    for item in container(pod_owner, container_name).get("env", []):
+        ref = item.get("valueFrom", {}).get("secretKeyRef")
+        if ref is not None:
+            env[item["name"]] = secrets[ref["name"]][ref["key"]]
+    return env
 
-    data = load_config_file(output)
-    gateway_config = GatewayConfig.from_dict(section(data, "gateway"))
+
+def test_gateway_config_loads_with_the_admin_key_from_the_secret(
+        rendered: list[dict[str, Any]], tmp_path: Path) -> None:
+    """The gateway container reads the ConfigMap's fairgate.yaml as it is (no init container
+    renders it) and its admin key from the Secret, as `fairgate serve` loads them."""
+    gateway = one(rendered, "Deployment", "fairgate-gateway")
+    assert "initContainers" not in gateway["spec"]["template"]["spec"]
+    args = container(gateway, "gateway")["args"]
+    assert args[:2] == ["serve", "-c"]
+    config_path = Path(args[-1])
+    mounts = {m["mountPath"]: m["name"] for m in container(gateway, "gateway")["volumeMounts"]}
+    path = tmp_path / "fairgate.yaml"
+    path.write_text(config_map_file(rendered, gateway, mounts[str(config_path.parent)],
+                                    config_path.name))
+    data = load_config_file(path)
+    assert "admin_key" not in section(data, "gateway"), "a key in a ConfigMap"
+    env = secret_env(rendered, gateway, "gateway")
+    config = FairgateConfig.from_dict(data, env)
+    gateway_config = config.gateway
+    secret = one(rendered, "Secret", "fairgate-secrets")["stringData"]
+    assert env[ADMIN_KEY_ENV] == secret["admin-key"]
     assert gateway_config.admin_key == secret["admin-key"]
     assert gateway_config.host == "0.0.0.0" and gateway_config.metrics_host == "0.0.0.0"
     # every engine pod, one backend each, through the headless Service
@@ -208,7 +251,7 @@ def test_gateway_config_renders_and_loads(rendered: list[dict[str, Any]],
     headless = one(rendered, "Service", "fairgate-engine-headless")
     assert headless["spec"]["clusterIP"] == "None"
     assert gateway_config.redis == "redis://fairgate-redis:6379/0"
-    assert FairgateConfig.from_dict(data).database.startswith("postgresql+asyncpg://")
+    assert config.database.startswith("postgresql+asyncpg://")
     ports = {p["containerPort"] for p in container(gateway, "gateway")["ports"]}
     assert {gateway_config.port, gateway_config.metrics_port} == ports
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fairgate.config import FairgateConfig
-from gateway.config import GatewayConfig
+from gateway.config import ADMIN_KEY_ENV, GatewayConfig
 
 
 def test_defaults() -> None:
@@ -49,3 +49,36 @@ def test_errors_name_the_key(values: dict[str, object], message: str) -> None:
 def test_database_must_be_a_url() -> None:
     with pytest.raises(ValueError, match="database must be"):
         FairgateConfig.from_dict({"database": 5})
+
+
+FILE_KEY = "admin-key-from-the-file"
+ENV_KEY = "admin-key-from-the-environment"
+
+
+@pytest.mark.parametrize(("environ", "expected"), [
+    (None, FILE_KEY),  # the file alone
+    ({}, FILE_KEY),
+    ({ADMIN_KEY_ENV: ""}, FILE_KEY),  # set but empty: as if unset
+    ({ADMIN_KEY_ENV: ENV_KEY}, ENV_KEY),  # it wins over the file
+])
+def test_the_environment_admin_key_wins_over_the_file(
+        tmp_path: Path, environ: dict[str, str] | None, expected: str) -> None:
+    path = tmp_path / "fairgate.yaml"
+    path.write_text(f"gateway:\n  admin_key: {FILE_KEY}\n")
+    assert FairgateConfig.load(path, environ).gateway.admin_key == expected
+
+
+def test_the_environment_admin_key_alone_turns_the_admin_api_on() -> None:
+    assert FairgateConfig.from_dict({}).gateway.admin_key is None
+    config = FairgateConfig.from_dict({}, {ADMIN_KEY_ENV: ENV_KEY})
+    assert config.gateway.admin_key == ENV_KEY
+
+
+def test_a_short_environment_admin_key_is_the_same_error_naming_the_variable() -> None:
+    with pytest.raises(ValueError) as configured:
+        GatewayConfig(admin_key="short")
+    with pytest.raises(ValueError) as from_env:
+        GatewayConfig().with_environment({ADMIN_KEY_ENV: "short"})
+    assert str(configured.value) == "gateway.admin_key must be a string of at least 16 characters"
+    assert str(from_env.value) == str(configured.value).replace("gateway.admin_key",
+                                                                ADMIN_KEY_ENV)

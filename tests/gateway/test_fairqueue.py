@@ -175,3 +175,70 @@ def test_nobody_starves(heavy_cost: int, light_weight: float, cls: str) -> None:
     # or right after the request that was already at the head. (Across classes batch yields to
     # interactive by design: it fills idle capacity.)
     assert pops <= 2
+
+
+# ---- other gateway replicas (gateway.redis): what `remote` changes -----------------------------
+def test_queue_bounds_count_what_other_replicas_queue() -> None:
+    from gateway.fairqueue import RemoteTenant
+
+    q = FairQueue()
+    bounds = QueueBounds(max_requests=5, max_tokens=100)
+    q.remote = {"a": RemoteTenant(queued_requests=3, queued_tokens=30, ready=3)}
+    q.push(item("a"), bounds)
+    q.push(item("a"), bounds)
+    with pytest.raises(QueueFull) as full:
+        q.push(item("a"), bounds)  # 2 here + 3 elsewhere = the bound
+    assert full.value.reason == "queue_requests"
+    q.remote = {"a": RemoteTenant(queued_requests=0, queued_tokens=75)}
+    with pytest.raises(QueueFull) as full:
+        q.push(item("a"), bounds)  # 20 + 75 + 10 tokens > 100
+    assert full.value.reason == "queue_tokens"
+    q.remote = {}
+    q.push(item("a"), bounds)
+    assert q.depth("a") == (3, 30)
+
+
+def test_a_tenant_over_its_share_yields_to_one_waiting_elsewhere() -> None:
+    """`light` reaches only another replica: here `heavy` (weight 3) may hold at most its share
+    (6 of 8 seats) while light waits there under its own, and all of them once light is
+    satisfied or gone (work-conserving)."""
+    from gateway.fairqueue import RemoteTenant
+
+    q = FairQueue()
+    for _ in range(10):
+        q.push(item("heavy", weight=3.0))
+    room = 8
+    heavy = q.tenants["heavy"]
+    q.remote = {"light": RemoteTenant(queued_requests=5, running=1, weight=1.0, ready=5)}
+    assert q.active_weight() == 4.0 and q.remote_backlog()
+    taken = 0
+    while (popped := q.pop(lambda tq, _: q.fair_to_others(tq, room, q.active_weight()))):
+        assert popped.tenant == "heavy"
+        taken += 1
+    assert taken == 6  # its share; light's 2 seats stay for the replica light reaches
+    q.remote = {"light": RemoteTenant(queued_requests=5, running=2, weight=1.0, ready=5)}
+    # light looks at its share; that may be a sync old (one of it just ended, its replica is
+    # about to fill the seat): heavy waits, until the room has stayed free a while
+    assert not q.fair_to_others(heavy, room, q.active_weight())
+    assert q.fair_to_others(heavy, room, q.active_weight(), patient=True)
+    q.remote = {"light": RemoteTenant(queued_requests=5, running=3, weight=1.0, ready=5)}
+    assert q.fair_to_others(heavy, room, q.active_weight())  # light has more than its share
+    q.remote = {"light": RemoteTenant(queued_requests=5, running=0, weight=1.0, ready=0)}
+    assert q.fair_to_others(heavy, room, q.active_weight())  # capped there: cannot use it
+    assert not q.remote_backlog()
+    # heavy's requests running elsewhere count against its share here
+    q.remote = {"light": RemoteTenant(queued_requests=5, running=1, weight=1.0, ready=5),
+                "heavy": RemoteTenant(running=1, weight=3.0)}
+    assert q.running("heavy") == 7 and not q.under_share(heavy, room, q.active_weight())
+
+
+def test_service_elsewhere_advances_the_counter_here() -> None:
+    q = FairQueue()
+    for name in ("a", "b"):
+        q.push(item(name, cost=10))
+        q.push(item(name, cost=10))
+    q.add_remote_service({"a": 1000.0, "nobody": 5.0})
+    assert serve(q, 2) == ["b", "b"]  # a was served elsewhere: b goes first here
+    view = q.shared_view()
+    assert view["b"][:3] == [0, 0, 0] and view["a"][:3] == [2, 20, 0]  # b served and done
+    assert view["b"][4] == q.tenants["b"].served > 0 and view["a"][4] == 0
