@@ -1,9 +1,14 @@
 """Where dispatched requests run: the embedded AsyncEngine or remote engines over HTTP.
 
-A backend answers three questions for the dispatcher and the proxy: how many tokens is this
+A backend answers four questions for the dispatcher and the proxy: how many tokens is this
 prompt (`count_prompt`), is there room for one more request (`has_room`, from the engine's load
-so that queueing happens in the gateway, where fairness applies), and run this job (`stream` /
-`complete`). Both kinds emit OpenAI bytes; the proxy never reformats them.
+so that queueing happens in the gateway, where fairness applies; a shared engine's room counts
+other gateways' requests on it), how loaded is it (`outstanding_tokens`: its queued and running
+work, what least-loaded routing weighs), and run this job (`stream` / `complete`). Both kinds
+emit OpenAI bytes; the proxy never reformats them.
+
+A backend that breaks before any byte of an answer reached the client (`BackendFailed`: the
+connection refused, reset or hung up) lets the proxy hand the request to another replica, once.
 
 A remote backend that stops answering (a hung or SIGSTOPped engine) fails its requests with 504
 `backend_timeout`: a stream that has no first token within `first_byte_timeout_s` or then goes
