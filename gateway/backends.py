@@ -33,7 +33,7 @@ import logging
 import math
 import socket
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -687,6 +687,40 @@ class DnsGroup:
                 await backend.close()
 
 
+PREFIX_LOAD_SLACK = 2  # requests a prefix's home may hold over prefix routing's relative bound
+PREFIX_HOMES = 65_536  # prefixes remembered (least recently used forgotten first)
+HOMES_PER_PREFIX = 4  # replicas remembered per prefix (a hot one spills to more than one)
+
+
+class PrefixHomes:
+    """Where this gateway sent each prompt prefix lately: the replicas likely to hold its KV
+    blocks. Keyed by chained hashes of the prompt's leading chunks, so the longest prefix seen
+    before wins (a conversation's next turn finds its earlier turns' replica). Bounded (LRU)."""
+
+    def __init__(self, capacity: int = PREFIX_HOMES) -> None:
+        self.capacity = capacity
+        self._homes: OrderedDict[int, list[str]] = OrderedDict()
+
+    def lookup(self, keys: tuple[int, ...]) -> list[str]:
+        """The replicas of the longest prefix known, most recent first."""
+        for key in reversed(keys):
+            homes = self._homes.get(key)
+            if homes is not None:
+                self._homes.move_to_end(key)
+                return homes
+        return []
+
+    def record(self, keys: tuple[int, ...], name: str) -> None:
+        for key in keys:
+            homes = self._homes.pop(key, [])
+            self._homes[key] = [name, *(h for h in homes if h != name)][:HOMES_PER_PREFIX]
+        while len(self._homes) > self.capacity:
+            self._homes.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+
 def _load(b: Backend) -> tuple[float, float]:
     return b.outstanding_tokens() / max(1, b.seats()), b.inflight / max(1, b.capacity())
 
@@ -714,6 +748,7 @@ class BackendPool:
         self.headroom = headroom
         self.draining: set[str] = set()  # by name: no new dispatch (a reconfigure, a rollout)
         self.groups: list[DnsGroup] = list(groups or [])  # backends found by DNS, one per address
+        self.homes = PrefixHomes()  # prefix routing: where each prefix went lately
 
     def by_name(self, name: str) -> Backend | None:
         return next((b for b in self.backends if b.name == name), None)
@@ -744,22 +779,30 @@ class BackendPool:
     def _free(self, b: Backend, keep_headroom: bool) -> bool:
         return b.has_room() and not (keep_headroom and b.inflight >= b.seats() - self.reserved(b))
 
-    def pick_affine(self, key: int, model: str | None, load_factor: float,
+    def pick_affine(self, keys: tuple[int, ...], model: str | None, load_factor: float,
                     keep_headroom: bool = False) -> Backend | None:
-        """Consistent hashing with bounded loads: the first backend on `key`'s ring order that
-        has room (`keep_headroom`: outside the headroom, as `pick`) and whose in-flight count
-        stays within `load_factor` x the average after this request; None when none does (the
-        caller takes the least loaded)."""
+        """Prefix routing (`keys`: the prompt's chained prefix hashes, shortest first). The
+        replicas this gateway last sent its longest known prefix to (`homes`), while one has
+        room and stays within the bound: `load_factor` x the average in-flight count after this
+        request, plus PREFIX_LOAD_SLACK requests (a spilled request costs a whole prefill; a
+        decoding one barely slows a replica). Otherwise, a prefix new here or one whose homes
+        are full: the first on the key's rendezvous-hash order (the same on every gateway
+        replica) among those within the bound and within `load_factor` of the least
+        outstanding work per seat. None: no room."""
         candidates = self._eligible(model)
-        if not candidates:
+        free = [b for b in candidates if self._free(b, keep_headroom)]
+        if not free:
             return None
         total = sum(b.inflight for b in candidates) + 1
-        bound = math.ceil(load_factor * total / len(candidates))
-        ring = sorted(candidates, key=lambda b: _ring_point(key, b.name))
-        for b in ring:
-            if b.inflight + 1 <= bound and self._free(b, keep_headroom):
-                return b
-        return None
+        bound = math.ceil(load_factor * total / len(candidates)) + PREFIX_LOAD_SLACK
+        for name in self.homes.lookup(keys):
+            home = next((b for b in free if b.name == name), None)
+            if home is not None and home.inflight + 1 <= bound:
+                return home
+        within = [b for b in free if b.inflight + 1 <= bound] or free
+        least = min(_load(b)[0] for b in within)
+        ring = sorted(within, key=lambda b: _ring_point(keys[0], b.name))
+        return next(b for b in ring if _load(b)[0] <= load_factor * least)
 
     def serves(self, model: str) -> list[Backend]:
         """The backends that serve `model` (one that has not said its model yet serves any)."""

@@ -206,7 +206,7 @@ class GatewayConfig:
     # its load stays within prefix_load_factor x the average (consistent hashing, bounded loads)
     routing: str = "least_loaded"
     prefix_load_factor: float = 1.25
-    prefix_chars: int = 2048  # of the prompt's text that make the affinity key
+    prefix_chars: int = 2048  # of the prompt's text keyed for prefix routing (256 a chunk)
     tokenizer: str | None = None  # tokenizer.json for counting prompts sent to remote backends
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 600.0  # one request, end to end, once dispatched

@@ -58,9 +58,10 @@ class Dispatcher:
                 return
             item, backend, keep_headroom = picked
             self._gauge(item)
-            if item.affinity is not None:  # the replica that likely holds its prefix
+            if item.affinity:  # the replica that likely holds its prefix
                 backend = self.pool.pick_affine(item.affinity, item.model, self.load_factor,
                                                 keep_headroom) or backend
+                self.pool.homes.record(item.affinity, backend.name)
             self._hand(item, backend)
 
     def _hand(self, item: QueuedRequest, backend: Backend) -> None:
@@ -98,7 +99,7 @@ class Dispatcher:
 
     def _gate(self) -> Admit | None:
         """With tenants waiting on other gateway replicas (`gateway.redis`): only a tenant
-        fair to them may take a seat here (FairQueue.fair_to_others), patiently once room has
+        fair to them may take a seat here (FairQueue.fair_to_others), anyone once room has
         stayed free for HOLD_S while it held everyone back; else None (anyone)."""
         if self.queue.policy == "fcfs" or not self.queue.remote_backlog():
             self._held_since = None

@@ -100,7 +100,8 @@ class QueuedRequest:
     dispatched_at: float = 0.0
     state: str = "new"  # new -> queued -> dispatched -> finished | removed
     model: str | None = None  # only backends serving it may take it
-    affinity: int | None = None  # prefix routing: its prompt's key (None: least loaded)
+    # prefix routing: its prompt's chained prefix hashes, shortest first (empty: least loaded)
+    affinity: tuple[int, ...] = ()
 
     @property
     def cost(self) -> int:
@@ -378,12 +379,12 @@ class FairQueue:
     def fair_to_others(self, tq: TenantQueue, room: int, active_weight: float,
                        patient: bool = False) -> bool:
         """May `tq` take a seat with tenants waiting on other replicas: it is under its share,
-        or no other tenant waiting anywhere is at or under its own. What the other replicas
-        run is a sync old, so a tenant that looks exactly at its share may be one under (a
-        request of it just finished; its replica is about to fill the seat): it is waited for
-        until `patient` (the room stayed free a while), then only one under its share holds
-        `tq` back (work-conserving)."""
-        if self.under_share(tq, room, active_weight):
+        or no other tenant waiting anywhere is at or under its own (what the other replicas
+        run is a sync old, so one that looks exactly at its share may be one under: a request
+        of it just ended and its replica is about to fill the seat), or `patient`: the room
+        stayed free a while all the same (that replica cannot use it: its backends are down
+        or full for it), so anyone here takes it (work-conserving)."""
+        if patient or self.under_share(tq, room, active_weight):
             return True
         waiting = {name: other.weight for name, other in self.tenants.items()
                    if other.queued_requests and other.can_run}
@@ -391,8 +392,7 @@ class FairQueue:
             if r.ready:
                 waiting[name] = max(r.weight, waiting.get(name, 0.0))
         waiting.pop(tq.name, None)
-        slack = 0 if patient else 1
-        return not any(self._under(self.running(name) - slack, weight, room, active_weight)
+        return not any(self._under(self.running(name) - 1, weight, room, active_weight)
                        for name, weight in waiting.items())
 
     def add_remote_service(self, service: dict[str, float]) -> None:

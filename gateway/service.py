@@ -44,6 +44,7 @@ from tenants import LedgerFullError, Principal, TenantInfo, UsageEvent, UsageLed
 log = logging.getLogger("fairgate.gateway")
 _ids = itertools.count()
 _ID_PREFIX = os.urandom(4).hex()
+PREFIX_CHUNK_CHARS = 256  # prefix routing keys a prompt at every multiple of this
 
 
 @dataclass
@@ -143,14 +144,19 @@ class Gateway:
                                SLO(tenant.slo_ttft_p99_s, tenant.slo_itl_p99_s))
         return adm, future
 
-    def _affinity(self, tenant: TenantInfo, req: OpenAIRequest) -> int | None:
-        """Prefix routing's key: the tenant (the prefix cache's salt) and the prompt's first
-        characters; None with least-loaded routing or one backend."""
+    def _affinity(self, tenant: TenantInfo, req: OpenAIRequest) -> tuple[int, ...]:
+        """Prefix routing's keys: hashes of the tenant (the prefix cache's salt) and the
+        prompt's first PREFIX_CHUNK_CHARS, 2 x as many, ... up to `prefix_chars` (a partial last
+        chunk included); none with least-loaded routing or one backend."""
         if self.config.routing != "prefix" or len(self.pool.backends) < 2:
-            return None
+            return ()
         head = prompt_text(req)[:self.config.prefix_chars]
-        digest = hashlib.blake2b(f"{tenant.name}\x00{head}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big")
+        running = hashlib.blake2b(tenant.name.encode() + b"\x00", digest_size=8)
+        keys = []
+        for start in range(0, max(len(head), 1), PREFIX_CHUNK_CHARS):
+            running.update(head[start:start + PREFIX_CHUNK_CHARS].encode())
+            keys.append(int.from_bytes(running.copy().digest(), "big"))
+        return tuple(keys)
 
     def _check_ready(self, req: OpenAIRequest) -> None:
         if not self.pool.healthy:

@@ -214,10 +214,43 @@ def test_prefix_routing_keeps_the_headroom_when_asked() -> None:
 
     a, b = Replica("a", seats_=4), Replica("b", seats_=4)
     pool = BackendPool([a, b], headroom=0.25)  # one seat of each kept for tenants under share
-    key = next(k for k in range(100) if pool.pick_affine(k, None, 2.0) is a)
+    pool.homes.record((7,), "a")
     a.inflight = 3  # its seats outside the headroom are taken
-    assert pool.pick_affine(key, None, 2.0) is a  # under its share: the headroom is its
-    assert pool.pick_affine(key, None, 2.0, keep_headroom=True) is b
+    assert pool.pick_affine((7,), None, 2.0) is a  # under its share: the headroom is its
+    assert pool.pick_affine((7,), None, 2.0, keep_headroom=True) is b
+
+
+def test_a_prefix_goes_home_within_the_bound_and_a_new_one_near_the_least_loaded() -> None:
+    from gateway.backends import PREFIX_LOAD_SLACK, BackendPool, PrefixHomes
+
+    replicas = [Replica(name) for name in "abcd"]
+    pool = BackendPool(list(replicas))
+    a, b, c, d = replicas
+    pool.homes.record((1, 2), "c")
+    assert pool.pick_affine((1, 2, 3), None, 1.25) is c  # its longest known prefix's home
+    assert pool.pick_affine((5,), None, 1.25) is not None
+    # c is past the bound: 1.25 x the average after this one (5 / 4), plus the slack
+    c.inflight = 2 + PREFIX_LOAD_SLACK
+    a.inflight = b.inflight = d.inflight = 0
+    assert pool.pick_affine((1, 2), None, 1.25) is not c
+    # a new prefix: only among those within 1.25 x of the least outstanding work per seat
+    c.inflight = 0
+    a.tokens, b.tokens, c.tokens, d.tokens = 1000, 1000, 100, 1000
+    assert all(pool.pick_affine((k,), None, 1.25) is c for k in range(100, 150))
+    a.tokens = b.tokens = d.tokens = 110  # all near the least: the hash spreads them
+    assert {pool.pick_affine((k,), None, 1.25).name for k in range(100, 150)} == set("abcd")
+    # the same order on every gateway replica: a second pool agrees
+    other = BackendPool([Replica(r.name, tokens=r.tokens) for r in replicas])
+    assert all(pool.pick_affine((k,), None, 1.25).name == other.pick_affine(
+        (k,), None, 1.25).name for k in range(100, 150))  # prefixes neither has seen
+    # the table: four homes a prefix at most, most recent first; the oldest prefix forgotten
+    homes = PrefixHomes(capacity=2)
+    for name in "abcde":
+        homes.record((9,), name)
+    assert homes.lookup((9,)) == ["e", "d", "c", "b"]
+    homes.record((10,), "a")
+    homes.record((11,), "a")
+    assert homes.lookup((9,)) == [] and len(homes) == 2
 
 
 @dataclass
