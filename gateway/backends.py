@@ -324,7 +324,7 @@ class RemoteBackend:
         """Queued and running work (estimated tokens), the engine's as of its last /load (every
         gateway's) plus what this gateway sent since; an OpenAI server: ours alone."""
         if self.fairgate:
-            return int(self.load.get("outstanding_tokens", 0)) + self.recent.total
+            return int(self.load.get("outstanding_tokens") or 0) + self.recent.total
         return self._own_tokens + self.recent.drop_before(time.monotonic() - RECENT_HORIZON_S)
 
     def dispatched(self, tokens: int) -> None:
@@ -360,10 +360,11 @@ class RemoteBackend:
             if self.fairgate:
                 self.load = await self._get_json("/load")
                 self.recent.drop_before(asked)
-                # what the engine holds beyond ours: other gateways' (a request of ours still on
-                # its way makes this an undercount, never an overcount)
-                held = sum(int(self.load.get(k, 0)) for k in ("running", "waiting", "swapped"))
-                # (ours that ended while it was asked are gone from its answer too)
+                held = sum(int(self.load.get(k) or 0) for k in ("running", "waiting", "swapped"))
+                # what the engine holds beyond ours: other gateways' requests. Approximate for
+                # one poll: a request of ours still on its way makes it an undercount; one of
+                # ours that ended (or whose client left) after the engine's snapshot, an
+                # overcount. Ours that ended while it was asked are gone from its answer too.
                 self.others = max(0, held - min(ours, self.inflight))
                 self.max_model_len = int(self.config.max_model_len
                                          or self.load.get("max_model_len", self.max_model_len))
@@ -487,8 +488,10 @@ class RemoteBackend:
 
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
         with self._working(job):
-            async for chunk in self._stream(job, outcome):
-                yield chunk
+            # closed with this one, so the upstream connection is shut before aclose returns
+            async with contextlib.aclosing(self._stream(job, outcome)) as inner:
+                async for chunk in inner:
+                    yield chunk
 
     async def _stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
         resp = await self._post(job, stream=True)

@@ -78,47 +78,49 @@ class Dispatcher:
         where seats outside the headroom are free, else only a tenant's under its share (into
         the headroom). In a pool of several models, the next request whose model has a backend
         with room, and that one (headroom is not kept there)."""
-        gate = self._gate()
+        gate, patient = self._gate()
         if len(self.pool.model_names()) > 1:
-            return self._next_by_model(gate)
+            return self._next_by_model(gate, patient)
         backend = self.pool.pick()
         if backend is None:
+            self._held_since = None  # no room: nothing is being held
             return None
         if self.queue.policy == "fcfs" or self.pool.headroom <= 0:
             item = self.queue.pop(gate)
-            self._held(gate, item)
+            self._held(gate, item, patient)
             return None if item is None else (item, backend, False)
         shared = self.pool.pick(keep_headroom=True)
         if shared is not None:
             item = self.queue.pop(gate)
-            self._held(gate, item)
+            self._held(gate, item, patient)
             return None if item is None else (item, shared, True)
         room, weight = self.pool.capacity(), self.queue.active_weight()
         item = self.queue.pop(lambda tq, _: self.queue.under_share(tq, room, weight))
         return None if item is None else (item, backend, False)
 
-    def _gate(self) -> Admit | None:
-        """With tenants waiting on other gateway replicas (`gateway.redis`): only a tenant
-        fair to them may take a seat here (FairQueue.fair_to_others), anyone once room has
-        stayed free for HOLD_S while it held everyone back; else None (anyone)."""
+    def _gate(self) -> tuple[Admit | None, bool]:
+        """With tenants waiting on other gateway replicas (`gateway.redis`): who may take a
+        seat here (FairQueue.gate), and whether room has stayed free for HOLD_S while it held
+        everyone back (then anyone may, until the room is used up); else (None, False)."""
         if self.queue.policy == "fcfs" or not self.queue.remote_backlog():
             self._held_since = None
-            return None
-        room, weight = self.pool.capacity(), self.queue.active_weight()
+            return None, False
         patient = (self._held_since is not None
                    and time.monotonic() - self._held_since >= HOLD_S)
-        return lambda tq, _: self.queue.fair_to_others(tq, room, weight, patient)
+        return self.queue.gate(self.pool.capacity(), self.queue.active_weight(), patient), patient
 
-    def _held(self, gate: Admit | None, item: QueuedRequest | None) -> None:
+    def _held(self, gate: Admit | None, item: QueuedRequest | None, patient: bool) -> None:
         """After a pop with room: note when the gate first held every request back (and look
-        again once it turns patient); a dispatch ends the hold."""
-        if item is not None or gate is None:
+        again once it turns patient); a dispatch on its merits ends the hold, one made only out
+        of patience keeps it (the room that was held is given away until it is used up)."""
+        if gate is None or (item is not None and not patient):
             self._held_since = None
-        elif self._held_since is None:
+        elif item is None and self._held_since is None:
             self._held_since = time.monotonic()
             asyncio.get_running_loop().call_later(HOLD_S, self.pump)
 
-    def _next_by_model(self, gate: Admit | None) -> tuple[QueuedRequest, Backend, bool] | None:
+    def _next_by_model(self, gate: Admit | None,
+                       patient: bool) -> tuple[QueuedRequest, Backend, bool] | None:
         rooms: dict[str | None, Backend | None] = {}
 
         def room(model: str | None) -> Backend | None:
@@ -128,7 +130,10 @@ class Dispatcher:
 
         item = self.queue.pop(lambda tq, head: room(head.model) is not None
                               and (gate is None or gate(tq, head)))
-        self._held(gate, item)
+        if item is None and not any(rooms.values()):
+            self._held_since = None  # no room for anything queued: nothing is being held
+        else:
+            self._held(gate, item, patient)
         if item is None:
             return None
         backend = room(item.model)

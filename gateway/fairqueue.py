@@ -16,7 +16,7 @@ their share when only the headroom it keeps for them is free (see gateway.dispat
 Other gateway replicas (`gateway.redis`, gateway/shared_fair.py): `remote` holds their
 tenants' queued and running counts as of the last sync (a few tens of milliseconds old). Queue
 bounds count a tenant's requests queued on every replica; shares count its requests running on
-every replica and the weights of tenants active anywhere; `fair_to_others` holds back a tenant
+every replica and the weights of tenants active anywhere; `gate` holds back a tenant
 over its share while a tenant backlogged anywhere is under its own (so a tenant that reaches
 the gateway only through one replica still gets its share of the engines every replica feeds);
 and `add_remote_service` advances a tenant's counter by its service elsewhere, so the virtual
@@ -70,11 +70,15 @@ class RemoteTenant:
     queued_tokens: int = 0
     running: int = 0
     weight: float = 1.0
-    ready: int = 0  # queued where its concurrency cap lets it run now
+    ready: tuple[int, ...] = ()  # per class (CLASSES' order): queued where it may run now
 
     @property
     def active(self) -> bool:
         return bool(self.queued_requests or self.running)
+
+    def ready_up_to(self, rank: int) -> int:
+        """Ready to run in the classes served before or with CLASSES[rank]."""
+        return sum(self.ready[:rank + 1])
 
 
 NO_REMOTE = RemoteTenant()
@@ -125,11 +129,6 @@ class TenantQueue:
     inflight: dict[int, QueuedRequest] = field(default_factory=dict)  # dispatched, by seq
     pace: float | None = None  # seconds per estimated output token, recent finishes (EWMA)
 
-    @property
-    def can_run(self) -> bool:
-        cap = self.bounds.max_concurrent
-        return cap is None or self.running < cap
-
     def drain_rates(self, now: float) -> tuple[float, float]:
         """(requests/s, tokens/s) dispatched over the last DRAIN_WINDOW_S."""
         while self.drained and self.drained[0][0] < now - DRAIN_WINDOW_S:
@@ -179,6 +178,8 @@ class FairQueue:
         tq.queued_tokens += item.cost
         tq.last_active = item.enqueued_at
         self.size += 1
+        if self.on_change is not None:
+            self.on_change()
 
     def _tenant(self, name: str, weight: float, bounds: QueueBounds | None) -> TenantQueue:
         tq = self.tenants.get(name)
@@ -279,7 +280,8 @@ class FairQueue:
             best: TenantQueue | None = None
             for name in self._active[cls]:
                 tq = self.tenants[name]
-                if not tq.can_run or (admit is not None and not admit(tq, tq.queues[cls][0])):
+                if not self._can_run(tq) or (admit is not None
+                                             and not admit(tq, tq.queues[cls][0])):
                     continue
                 if best is None or ((tq.counter, tq.queues[cls][0].seq)
                                     < (best.counter, best.queues[cls][0].seq)):
@@ -298,7 +300,12 @@ class FairQueue:
 
     def _eligible(self) -> Iterator[TenantQueue]:
         names = set().union(*self._active.values())
-        return (self.tenants[n] for n in names if self.tenants[n].can_run)
+        return (self.tenants[n] for n in names if self._can_run(self.tenants[n]))
+
+    def _can_run(self, tq: TenantQueue) -> bool:
+        """Under its max_concurrent, counting its requests running on other replicas."""
+        cap = tq.bounds.max_concurrent
+        return cap is None or self.running(tq.name) < cap
 
     def _head(self, tq: TenantQueue) -> QueuedRequest | None:
         if self.policy == "fcfs":
@@ -325,6 +332,8 @@ class FairQueue:
             return False
         self._take(self.tenants[item.tenant], item)
         item.state = "removed"
+        if self.on_change is not None:
+            self.on_change()
         return True
 
     def finish(self, item: QueuedRequest, input_tokens: int, output_tokens: int) -> None:
@@ -373,27 +382,47 @@ class FairQueue:
         return running * max(active_weight, weight) < room * weight
 
     def remote_backlog(self) -> bool:
-        """Some tenant waits on another replica (then `fair_to_others` matters)."""
-        return any(r.ready for r in self.remote.values())
+        """Some tenant waits on another replica (then `gate` matters)."""
+        return any(sum(r.ready) for r in self.remote.values())
 
-    def fair_to_others(self, tq: TenantQueue, room: int, active_weight: float,
-                       patient: bool = False) -> bool:
-        """May `tq` take a seat with tenants waiting on other replicas: it is under its share,
-        or no other tenant waiting anywhere is at or under its own (what the other replicas
-        run is a sync old, so one that looks exactly at its share may be one under: a request
-        of it just ended and its replica is about to fill the seat), or `patient`: the room
-        stayed free a while all the same (that replica cannot use it: its backends are down
-        or full for it), so anyone here takes it (work-conserving)."""
-        if patient or self.under_share(tq, room, active_weight):
-            return True
-        waiting = {name: other.weight for name, other in self.tenants.items()
-                   if other.queued_requests and other.can_run}
-        for name, r in self.remote.items():
-            if r.ready:
-                waiting[name] = max(r.weight, waiting.get(name, 0.0))
-        waiting.pop(tq.name, None)
-        return not any(self._under(self.running(name) - 1, weight, room, active_weight)
-                       for name, weight in waiting.items())
+    def gate(self, room: int, active_weight: float, patient: bool = False) -> Admit:
+        """Who may take a seat here while tenants wait on other replicas: a tenant under its
+        share, or one with no other tenant waiting anywhere (in its class or a class served
+        before it) at or under its own. What the other replicas run is a sync old, so one that
+        looks exactly at its share may be one under (a request of it just ended and its
+        replica is about to fill the seat). `patient`: the room stayed free a while all the
+        same (that replica cannot use it: its backends are down or full for it), so anyone
+        here takes it (work-conserving). Batch never goes while interactive work here is held.
+        Computed once per call (each admit is then cheap)."""
+        if patient:
+            return lambda tq, head: True
+        rank = {c: i for i, c in enumerate(CLASSES)}
+        waiting: list[dict[str, float]] = [{} for _ in CLASSES]  # by class rank: up to it
+        for name, tq in self.tenants.items():
+            if not self._can_run(tq):
+                continue
+            for r in range(len(CLASSES)):
+                if any(tq.queues[c] for c in CLASSES[:r + 1]):
+                    waiting[r][name] = tq.weight
+        for name, remote in self.remote.items():
+            for r in range(len(CLASSES)):
+                if remote.ready_up_to(r):
+                    waiting[r][name] = max(remote.weight, waiting[r].get(name, 0.0))
+        holding = [{name for name, weight in by_rank.items()
+                    if self._under(self.running(name) - 1, weight, room, active_weight)}
+                   for by_rank in waiting]
+        local_first = [any(self._can_run(self.tenants[n]) for c in CLASSES[:r]
+                           for n in self._active[c]) for r in range(len(CLASSES))]
+
+        def admit(tq: TenantQueue, head: QueuedRequest) -> bool:
+            r = rank[head.priority]
+            if local_first[r]:  # a class served before this one waits here: it goes first
+                return False
+            if self.under_share(tq, room, active_weight):
+                return True
+            return not (holding[r] - {tq.name})
+
+        return admit
 
     def add_remote_service(self, service: dict[str, float]) -> None:
         """Weighted tokens other replicas charged these tenants since the last sync: their
@@ -419,10 +448,12 @@ class FairQueue:
 
     def shared_view(self) -> dict[str, list[float]]:
         """What this replica tells the others: [queued requests, queued tokens, running, weight,
-        served, ready (queued and free to run)] of each tenant active lately."""
+        served, then per class (CLASSES' order) the requests queued and free to run] of each
+        tenant active lately."""
         since = self.clock() - DRAIN_WINDOW_S
         return {name: [tq.queued_requests, tq.queued_tokens, tq.running, tq.weight,
-                       round(tq.served, 3), tq.queued_requests if tq.can_run else 0]
+                       round(tq.served, 3),
+                       *(len(tq.queues[c]) if self._can_run(tq) else 0 for c in CLASSES)]
                 for name, tq in self.tenants.items()
                 if tq.queued_requests or tq.running or tq.last_active >= since}
 

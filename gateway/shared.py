@@ -258,13 +258,16 @@ class SharedRateLimiter:
         self._lua[name] = lua
 
     async def run_script(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run a script (bounded by the call timeout); a failure marks Redis down and raises."""
+        """Run a script (bounded by the call timeout) and raise what fails; only a lost
+        connection or a timeout marks Redis down (a script's own error does not take the
+        rate windows with it)."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
         try:
             async with asyncio.timeout(self.call_timeout):
                 return await self._scripts[name](keys=keys, args=args)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
+        except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as exc:
             self._failed(exc)
             raise
 

@@ -23,11 +23,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from gateway.fairqueue import FairQueue, RemoteTenant
+from gateway.fairqueue import CLASSES, FairQueue, RemoteTenant
 from gateway.metrics import GatewayMetrics
 from gateway.shared import SharedRateLimiter
 
@@ -55,6 +56,35 @@ return redis.call('HGETALL', KEYS[1])
 """
 
 
+LEAVE_LUA = """
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
+_FIELDS = 5 + len(CLASSES)  # queued, tokens, running, weight, served, ready per class
+
+
+def _rows(raw: str) -> Iterator[tuple[str, tuple[int, int, int, float, float, list[int]]]]:
+    """Another replica's well-formed rows; anything else (another version's format, a
+    deployment sharing the prefix) is skipped."""
+    try:
+        tenants = json.loads(raw)
+    except ValueError:
+        return
+    if not isinstance(tenants, dict):
+        return
+    for name, row in tenants.items():
+        if not (isinstance(row, list) and len(row) == _FIELDS
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                        and math.isfinite(v) and v >= 0 for v in row)):
+            continue
+        queued, tokens, running, weight, served, *ready = row
+        if weight <= 0:
+            continue
+        yield str(name), (int(queued), int(tokens), int(running), float(weight),
+                          float(served), [int(v) for v in ready])
+
+
 class SharedFairState:
     def __init__(self, limiter: SharedRateLimiter, queue: FairQueue,
                  metrics: GatewayMetrics | None = None, interval_s: float = SYNC_INTERVAL_S,
@@ -69,11 +99,13 @@ class SharedFairState:
         self.keys = [f"{base}:entries", f"{base}:heartbeats"]
         self.replicas = 0  # other live replicas, as of the last sync
         self.syncs = 0
+        self.ok = False  # the last sync went through
         self._served: dict[str, dict[str, float]] = {}  # replica -> tenant -> served, last seen
         self._task: asyncio.Task[None] | None = None
         self._poked = asyncio.Event()
         queue.on_change = self._poked.set
         limiter.add_script("fair_sync", SYNC_LUA)
+        limiter.add_script("fair_leave", LEAVE_LUA)
         if metrics is not None:
             metrics.read_at_scrape("fairgate_gateway_peer_replicas", "Other gateway replicas "
                                    "whose queues and shares this one counts (via Redis)",
@@ -87,13 +119,20 @@ class SharedFairState:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            if self.limiter.up:  # the others stop counting this replica's queue at once
+                with contextlib.suppress(Exception):
+                    await self.limiter.run_script("fair_leave", self.keys, [self.replica])
 
     async def _run(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._poked.wait(), self.interval)
             self._poked.clear()
-            await self.sync()
+            try:
+                await self.sync()
+            except Exception:  # a bug here must not end the syncing: alone until the next one
+                log.exception("fair share sync failed")
+                self._alone()
             await asyncio.sleep(MIN_GAP_S)
 
     async def sync(self) -> None:
@@ -112,51 +151,49 @@ class SharedFairState:
             return
         self._apply(reply)
         self.syncs += 1
+        self.ok = True
         if self.on_change is not None:
             self.on_change()
 
     def _alone(self) -> None:
+        """Redis away: this replica's figures alone. Service elsewhere meanwhile is not caught
+        up on afterwards (the counters restart from what the others report when it is back)."""
         self.queue.remote = {}
         self.replicas = 0
+        self._served.clear()
+        self.ok = False
 
     def _apply(self, reply: list[Any]) -> None:
         entries = {_text(reply[i]): _text(reply[i + 1]) for i in range(0, len(reply) - 1, 2)}
         entries.pop(self.replica, None)
-        remote: dict[str, list[float]] = {}
+        remote: dict[str, list[Any]] = {}
         service: dict[str, float] = {}
         for replica, raw in entries.items():
-            try:
-                tenants = json.loads(raw)
-            except ValueError:
-                continue  # not ours to fix; its next sync overwrites it
-            if not isinstance(tenants, dict):
-                continue
+            known = replica in self._served  # a tenant new there then started from nothing
             seen = self._served.setdefault(replica, {})
-            for name, row in tenants.items():
-                if not (isinstance(row, list) and len(row) == 6):
-                    continue
-                queued, tokens, running, weight, served, ready = (float(v) for v in row)
-                total = remote.setdefault(name, [0, 0, 0, weight, 0])
+            for name, row in _rows(raw):
+                queued, tokens, running, weight, served, ready = row
+                total = remote.setdefault(name, [0, 0, 0, weight, [0] * len(ready)])
                 total[0] += queued
                 total[1] += tokens
                 total[2] += running
                 total[3] = max(total[3], weight)
-                total[4] += ready
-                before = seen.get(name)
-                if before is not None and served > before:
+                total[4] = [a + b for a, b in zip(total[4], ready, strict=False)]
+                before = seen.get(name, 0.0 if known else None)
+                if before is not None and served != before:  # settles can take some back
                     service[name] = service.get(name, 0.0) + served - before
                 seen[name] = served
         for gone in set(self._served) - set(entries):
             del self._served[gone]
-        self.queue.remote = {name: RemoteTenant(int(q), int(t), int(r), w, int(ready))
+        self.queue.remote = {name: RemoteTenant(q, t, r, w, tuple(ready))
                              for name, (q, t, r, w, ready) in remote.items()}
         self.queue.add_remote_service(service)
         self.replicas = len(entries)
 
     def status(self) -> str:
         return (f"queue bounds and fair share counted over {self.replicas + 1} gateway "
-                f"replicas" if self.limiter.up else "queue bounds and fair share are this "
-                "replica's alone")
+                f"replicas" if self.limiter.up and self.ok else "queue bounds and fair share "
+                "are this replica's alone")
 
 
 def _text(value: Any) -> str:

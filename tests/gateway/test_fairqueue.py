@@ -201,7 +201,7 @@ def test_queue_bounds_count_what_other_replicas_queue() -> None:
 def test_a_tenant_over_its_share_yields_to_one_waiting_elsewhere() -> None:
     """`light` reaches only another replica: here `heavy` (weight 3) may hold at most its share
     (6 of 8 seats) while light waits there under its own, and all of them once light is
-    satisfied or gone (work-conserving)."""
+    satisfied, capped, or the room stayed free (patient: work-conserving)."""
     from gateway.fairqueue import RemoteTenant
 
     q = FairQueue()
@@ -209,27 +209,60 @@ def test_a_tenant_over_its_share_yields_to_one_waiting_elsewhere() -> None:
         q.push(item("heavy", weight=3.0))
     room = 8
     heavy = q.tenants["heavy"]
-    q.remote = {"light": RemoteTenant(queued_requests=5, running=1, weight=1.0, ready=5)}
+    head = heavy.queues["interactive"][0]
+    q.remote = {"light": RemoteTenant(queued_requests=5, running=1, weight=1.0, ready=(5, 0))}
     assert q.active_weight() == 4.0 and q.remote_backlog()
     taken = 0
-    while (popped := q.pop(lambda tq, _: q.fair_to_others(tq, room, q.active_weight()))):
+    while (popped := q.pop(q.gate(room, q.active_weight()))):
         assert popped.tenant == "heavy"
         taken += 1
     assert taken == 6  # its share; light's 2 seats stay for the replica light reaches
-    q.remote = {"light": RemoteTenant(queued_requests=5, running=2, weight=1.0, ready=5)}
+    head = heavy.queues["interactive"][0]
+    assert q.gate(room, q.active_weight(), patient=True)(heavy, head)  # the room stayed free
+    q.remote = {"light": RemoteTenant(queued_requests=5, running=2, weight=1.0, ready=(5, 0))}
     # light looks at its share; that may be a sync old (one of it just ended, its replica is
     # about to fill the seat): heavy waits, until the room has stayed free a while
-    assert not q.fair_to_others(heavy, room, q.active_weight())
-    assert q.fair_to_others(heavy, room, q.active_weight(), patient=True)
-    q.remote = {"light": RemoteTenant(queued_requests=5, running=3, weight=1.0, ready=5)}
-    assert q.fair_to_others(heavy, room, q.active_weight())  # light has more than its share
-    q.remote = {"light": RemoteTenant(queued_requests=5, running=0, weight=1.0, ready=0)}
-    assert q.fair_to_others(heavy, room, q.active_weight())  # capped there: cannot use it
+    assert not q.gate(room, q.active_weight())(heavy, head)
+    q.remote = {"light": RemoteTenant(queued_requests=5, running=3, weight=1.0, ready=(5, 0))}
+    assert q.gate(room, q.active_weight())(heavy, head)  # light has more than its share
+    q.remote = {"light": RemoteTenant(queued_requests=5, running=0, weight=1.0, ready=(0, 0))}
+    assert q.gate(room, q.active_weight())(heavy, head)  # capped there: cannot use it
     assert not q.remote_backlog()
     # heavy's requests running elsewhere count against its share here
-    q.remote = {"light": RemoteTenant(queued_requests=5, running=1, weight=1.0, ready=5),
+    q.remote = {"light": RemoteTenant(queued_requests=5, running=1, weight=1.0, ready=(5, 0)),
                 "heavy": RemoteTenant(running=1, weight=3.0)}
     assert q.running("heavy") == 7 and not q.under_share(heavy, room, q.active_weight())
+
+
+def test_batch_waiting_elsewhere_holds_no_interactive_work_here() -> None:
+    from gateway.fairqueue import RemoteTenant
+
+    q = FairQueue()
+    for _ in range(8):
+        q.push(item("chat", weight=1.0))
+    q.push(item("etl", priority="batch"))
+    room = 8
+    # a batch tenant waits elsewhere under its share: interactive work here is not held
+    q.remote = {"bulk": RemoteTenant(queued_requests=50, weight=1.0, ready=(0, 50))}
+    taken = [p.tenant for _ in range(8) if (p := q.pop(q.gate(room, q.active_weight())))]
+    assert taken == ["chat"] * 8
+    # an interactive tenant waits elsewhere: chat (over its share) is held, and batch here
+    # does not go around it
+    q.push(item("chat"))
+    q.remote = {"other": RemoteTenant(queued_requests=5, weight=1.0, ready=(5, 0))}
+    assert q.pop(q.gate(room, q.active_weight())) is None
+
+
+def test_max_concurrent_counts_requests_running_on_other_replicas() -> None:
+    from gateway.fairqueue import RemoteTenant
+
+    q = FairQueue()
+    bounds = QueueBounds(max_concurrent=3)
+    for _ in range(3):
+        q.push(item("a"), bounds)
+    q.remote = {"a": RemoteTenant(running=2)}
+    assert q.pop() is not None and q.pop() is None  # 1 here + 2 there = its cap
+    assert q.shared_view()["a"][5:] == [0, 0]  # and it says it cannot run more
 
 
 def test_service_elsewhere_advances_the_counter_here() -> None:

@@ -39,23 +39,25 @@ async def test_a_queue_bound_holds_over_two_replicas(
     await wait_for(lambda: fair(first).replicas == fair(second).replicas == 1, timeout=10)
     # four on the first: one runs (its backend holds one), three queue
     body = {**completion(), "model": "test-model"}  # the controlled backend's
-    waiting = [asyncio.create_task(first.post("acme", body)) for _ in range(4)]
-    await wait_for(lambda: first.gateway.queue.depth("acme")[0] == 3, timeout=10)
-    await wait_for(lambda: second.gateway.queue.remote.get("acme") is not None
-                   and second.gateway.queue.remote["acme"].queued_requests == 3, timeout=10)
-    # five on the second: one runs, three fill the bound of six, the fifth is refused
-    more = [asyncio.create_task(second.post("acme", body)) for _ in range(4)]
-    await wait_for(lambda: second.gateway.queue.depth("acme")[0] == 3, timeout=10)
-    refused = await second.post("acme", body)
-    error = (await refused.json())["error"]
-    assert refused.status == 429 and error["code"] == "queue_requests", error
-    assert int(refused.headers["Retry-After"]) >= 1
-    # alone (no Redis), the second would have queued up to six of its own
-    for task in waiting + more:
-        task.cancel()
-    await asyncio.gather(*waiting, *more, return_exceptions=True)
-    ready = await (await second.client.get("/readyz")).json()
-    assert "over 2 gateway replicas" in ready["checks"]["shared_state"]["detail"]
+    held = [asyncio.create_task(first.post("acme", body)) for _ in range(4)]
+    try:
+        await wait_for(lambda: first.gateway.queue.depth("acme")[0] == 3, timeout=10)
+        await wait_for(lambda: second.gateway.queue.remote.get("acme") is not None
+                       and second.gateway.queue.remote["acme"].queued_requests == 3, timeout=10)
+        # five on the second: one runs, three fill the bound of six, the fifth is refused
+        held += [asyncio.create_task(second.post("acme", body)) for _ in range(4)]
+        await wait_for(lambda: second.gateway.queue.depth("acme")[0] == 3, timeout=10)
+        refused = await second.post("acme", body)
+        error = (await refused.json())["error"]
+        assert refused.status == 429 and error["code"] == "queue_requests", error
+        assert int(refused.headers["Retry-After"]) >= 1
+        # alone (no Redis), the second would have queued up to six of its own
+        ready = await (await second.client.get("/readyz")).json()
+        assert "over 2 gateway replicas" in ready["checks"]["shared_state"]["detail"]
+    finally:
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
 
 
 async def test_redis_away_each_replica_queues_alone_and_then_shares_again(
@@ -81,13 +83,13 @@ async def test_redis_away_each_replica_queues_alone_and_then_shares_again(
         assert fair(second).replicas == 0
         ready = await (await second.client.get("/readyz")).json()
         assert ready["ready"] and "alone" in ready["checks"]["shared_state"]["detail"]
-        mine = [asyncio.create_task(second.post("acme", body)) for _ in range(5)]
-        held += mine
-        await wait_for(lambda: second.gateway.queue.depth("acme")[0] == 4, timeout=10)
+        # alone it queues a full bound of its own would allow: 2 here + 3 there would pass 4
+        held += [asyncio.create_task(second.post("acme", body)) for _ in range(3)]
+        await wait_for(lambda: second.gateway.queue.depth("acme")[0] == 2, timeout=10)
         await proxy.start()
         await wait_for(lambda: fair(second).replicas == 1
                        and second.gateway.queue.remote.get("acme") is not None, timeout=10)
-        refused = await second.post("acme", body)  # 3 + 4 queued over both: over the bound
+        refused = await second.post("acme", body)  # 2 + 3 queued over both: past the bound
         assert refused.status == 429
     finally:
         for task in held:
@@ -153,3 +155,32 @@ async def test_two_tenants_each_behind_its_own_replica_share_the_engine_by_weigh
     ratio = got["heavy"] / max(1, got["light"])
     assert 2.7 <= ratio <= 3.3, (got, ratio)
     assert fair(first).syncs > 0 and fair(second).syncs > 0
+
+
+def test_service_elsewhere_is_counted_once_signed_and_bad_rows_are_skipped() -> None:
+    """Service elsewhere moves the counters here by its exact (signed: settles take some back)
+    change; a replica's first report is its baseline; a row of another format is skipped."""
+    import json
+
+    from gateway.fairqueue import FairQueue
+    from gateway.shared import SharedRateLimiter
+    from tests.gateway.test_fairqueue import item
+
+    queue = FairQueue()
+    queue.push(item("t"))
+    state = SharedFairState(SharedRateLimiter("redis://127.0.0.1:6379/0"), queue)
+    counter = queue.tenants["t"].counter
+
+    def sync(served: float, extra: dict[str, object] | None = None) -> None:
+        rows = {"t": [1, 10, 2, 1.0, served, 1, 0], **(extra or {})}
+        state._apply(["me", "{}", "other", json.dumps(rows)])
+
+    sync(100)  # the first report: a baseline, nothing added
+    assert queue.tenants["t"].counter == counter and queue.remote["t"].running == 2
+    sync(40)  # a settle took 60 back there
+    sync(140)
+    assert queue.tenants["t"].counter == counter + 40
+    sync(140, {"bad": [1, "x", None, 1, 0, 0, 0], "short": [1, 2]})
+    assert set(queue.remote) == {"t"}
+    state._apply(["other", "not json"])
+    assert queue.remote == {} and state.replicas == 1
