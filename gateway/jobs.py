@@ -37,6 +37,7 @@ from engine.config import EngineConfig
 from gateway.config import ADMIN_KEY_ENV
 from protocol.errors import ApiError, bad_request
 from protocol.openai import server_root
+from protocol.serving import wait_event
 from tenants.jobs import ACTIVE_STATES, JobRecord, JobStore
 
 log = logging.getLogger("fairgate.gateway")
@@ -493,8 +494,7 @@ class JobManager:
         """Launch what can run when woken (a job queued or ended), and every LEASE_S renew this
         gateway's lease on its running jobs and take over those whose gateway is gone."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), LEASE_S)
+            await wait_event(self._wake, LEASE_S)
             self._wake.clear()
             try:
                 await self.store.renew(list(self.running), self.owner)

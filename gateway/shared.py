@@ -184,6 +184,7 @@ class SharedRateLimiter:
         self._lua = {"charge": CHARGE_LUA, "settle": SETTLE_LUA, "refund": REFUND_LUA}
         self._scripts: dict[str, Any] = {}
         self._probe: asyncio.Task[None] | None = None
+        self._closing = False
         if metrics is not None:
             self._export(metrics)
 
@@ -241,9 +242,9 @@ class SharedRateLimiter:
             log.warning("%d rate-limit settles did not reach redis before shutdown", len(left))
             await asyncio.gather(*left, return_exceptions=True)
         if self._probe is not None:
+            self._closing = True  # as well as the cancel (redis-py may turn one into an error)
             self._probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe
+            await asyncio.wait([self._probe], timeout=2.0)
         if self._client is not None:
             await self._client.aclose()
 
@@ -384,7 +385,7 @@ class SharedRateLimiter:
         return True
 
     async def _probe_loop(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(PROBE_INTERVAL_S)
             if self.up:
                 continue

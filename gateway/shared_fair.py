@@ -31,10 +31,12 @@ from typing import Any
 from gateway.fairqueue import CLASSES, FairQueue, RemoteTenant
 from gateway.metrics import GatewayMetrics
 from gateway.shared import SharedRateLimiter
+from protocol.serving import wait_event
 
 log = logging.getLogger("fairgate.gateway")
 
 SYNC_INTERVAL_S = 0.05
+STOP_WAIT_S = 2.0  # how long a shutdown waits for the sync task to end
 MIN_GAP_S = 0.005  # at most one sync this often: changes in a burst go together
 REPLICA_TTL_S = 3.0  # a replica not heard from for this long is gone (its entry dropped)
 
@@ -103,6 +105,7 @@ class SharedFairState:
         self._served: dict[str, dict[str, float]] = {}  # replica -> tenant -> served, last seen
         self._task: asyncio.Task[None] | None = None
         self._poked = asyncio.Event()
+        self._stopping = False
         queue.on_change = self._poked.set
         limiter.add_script("fair_sync", SYNC_LUA)
         limiter.add_script("fair_leave", LEAVE_LUA)
@@ -116,21 +119,24 @@ class SharedFairState:
         try:
             yield
         finally:
+            # a flag as well as the cancel: a client library that turns a cancellation into
+            # an error of its own must not keep the loop (and the shutdown) going
+            self._stopping = True
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task], timeout=STOP_WAIT_S)
             if self.limiter.up:  # the others stop counting this replica's queue at once
                 with contextlib.suppress(Exception):
                     await self.limiter.run_script("fair_leave", self.keys, [self.replica])
 
     async def _run(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poked.wait(), self.interval)
+        while not self._stopping:
+            await wait_event(self._poked, self.interval)
             self._poked.clear()
             try:
                 await self.sync()
             except Exception:  # a bug here must not end the syncing: alone until the next one
+                if self._stopping:
+                    return
                 log.exception("fair share sync failed")
                 self._alone()
             await asyncio.sleep(MIN_GAP_S)

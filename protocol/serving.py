@@ -205,3 +205,15 @@ async def _serve(sites: list[Site], shutdown_timeout: float,
         for site_sockets in sockets:
             for sock in site_sockets:
                 sock.close()
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait for `event` at most `timeout` seconds; whether it is set. Unlike a loop around
+    `asyncio.wait_for` (Python 3.11), a cancellation that comes as the event is set is never
+    swallowed, so a background loop built on this always stops when cancelled."""
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True

@@ -59,6 +59,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
 
+from protocol.serving import wait_event
 from tenants.models import UsageDeadLetterRow, UsageHourRow, UsageMinuteRow, UsageRow
 from tenants.store import TenantStore
 from tenants.values import UsageEvent
@@ -532,8 +533,7 @@ class UsageLedger:
 
     async def _run(self) -> None:
         while not self._closed:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.flush_interval)
+            await wait_event(self._wake, self.flush_interval)
             self._wake.clear()
             try:
                 await self.flush()
