@@ -368,13 +368,14 @@ class AsyncEngine:
 
     def _publish_snapshot(self) -> None:
         stats = self._engine.stats()
-        stats["waiting_tokens"] = sum(
-            r.num_remaining_tokens for r in self._engine.scheduler.requests.values()
-            if r.status is RequestStatus.WAITING)
-        # every unfinished request's prefill still to compute and outputs still to generate
-        # (at most): what a gateway routes on ("least loaded")
-        stats["outstanding_tokens"] = sum(
-            r.estimated_remaining_work() for r in self._engine.scheduler.requests.values())
+        # one pass over the unfinished requests, every step: the waiting ones' prefill left,
+        # and everyone's prefill and outputs left at most (what "least loaded" routes on)
+        waiting = outstanding = 0
+        for r in self._engine.scheduler.requests.values():
+            if r.status is RequestStatus.WAITING:
+                waiting += r.num_remaining_tokens
+            outstanding += r.estimated_remaining_work()
+        stats["waiting_tokens"], stats["outstanding_tokens"] = waiting, outstanding
         stats["max_model_len"] = self._engine.config.max_model_len
         stats["reconfiguring"] = self._reconfigurer.reconfiguring
         stats["num_steps"] = self._engine.num_steps

@@ -805,7 +805,7 @@ class BackendPool:
         within = [b for b in free if b.inflight + 1 <= bound] or free
         least = min(_load(b)[0] for b in within)
         ring = sorted(within, key=lambda b: _ring_point(keys[0], b.name))
-        return next(b for b in ring if _load(b)[0] <= load_factor * least)
+        return next((b for b in ring if _load(b)[0] <= load_factor * least), ring[0])
 
     def serves(self, model: str) -> list[Backend]:
         """The backends that serve `model` (one that has not said its model yet serves any)."""
