@@ -13,14 +13,23 @@ at the gateway and the benchmark client), its number of output tokens and its `e
   after it (the finish event, usage, `[DONE]`) out of the per-token figure.
 - e2e = end - start.
 
-A request meets its SLO (counts toward goodput) when it succeeded, its TTFT <= `SLO.ttft_s` and
-its TPOT <= `SLO.itl_s`; an unset target does not constrain. A request without a token misses a
-TTFT target; one with a single token has no TPOT to miss.
+The three latency SLOs, named as vLLM's benchmark names them:
+- `SLO.ttft_s` bounds each request's TTFT and `SLO.tpot_s` each request's TPOT. A request meets
+  its SLO (counts toward goodput) when it succeeded and is within both; an unset target does not
+  constrain. A request without a token misses a TTFT target; one with a single token has no TPOT
+  to miss.
+- `SLO.itl_s` bounds every gap between two tokens, pooled over all requests of the period (vLLM's
+  ITL, `vllm:inter_token_latency_seconds`): "p99 ITL <= X" means at least 99% of all gaps are
+  <= X. It is not a per-request criterion: one long prefill chunk that stalls every decode for
+  a step shows here and hardly in TPOT. `RequestTiming.gaps_within` counts one request's part.
 
 SLO attainment: "p99 TTFT <= X" means at least 99% (`SLO.target`) of the period's requests
-have TTFT <= X, and a rejected or failed request is a miss. The error budget is 1 - target; the
-burn rate is the observed miss fraction divided by the budget (1.0: spending it exactly as fast
-as allowed).
+have TTFT <= X, and a rejected or failed request is a miss; the same for TPOT, and for ITL over
+gaps. The error budget is 1 - target; the burn rate is the observed miss fraction divided by the
+budget (1.0: spending it exactly as fast as allowed).
+
+Before these names, a stored or configured "ITL" SLO (`slo_itl_p99_s`, `--slo-itl-p99`) bounded
+each request's TPOT; such values are TPOT targets now (tenants migration 0005).
 
 Standard library only: this is the bottom layer.
 """
@@ -40,11 +49,16 @@ class SLO:
     """Latency targets of one tenant or run; None leaves that measure unconstrained."""
 
     ttft_s: float | None = None
-    itl_s: float | None = None  # a bound on TPOT, the request's mean inter-token gap
-    target: float = 0.99  # the fraction of requests that must meet it ("p99")
+    tpot_s: float | None = None  # each request's mean inter-token gap
+    itl_s: float | None = None  # every gap between two tokens, pooled over the period
+    target: float = 0.99  # the fraction of requests (of gaps, for ITL) that must meet it ("p99")
 
     def __post_init__(self) -> None:
         error_budget(self.target)
+
+    @property
+    def unset(self) -> bool:
+        return self.ttft_s is None and self.tpot_s is None and self.itl_s is None
 
 
 def error_budget(target: float) -> float:
@@ -90,11 +104,23 @@ class RequestTiming:
 
     def meets_tpot(self, slo: SLO) -> bool:
         tpot = self.tpot
-        return self.ok and (slo.itl_s is None or tpot is None or tpot <= slo.itl_s)
+        return self.ok and (slo.tpot_s is None or tpot is None or tpot <= slo.tpot_s)
 
     def meets(self, slo: SLO) -> bool:
-        """Counts toward goodput: succeeded and within every set target."""
+        """Counts toward goodput: succeeded and within its TTFT and TPOT targets (ITL is pooled
+        over the period's gaps, not a per-request criterion)."""
         return self.meets_ttft(slo) and self.meets_tpot(slo)
+
+    def gaps_within(self, slo: SLO) -> tuple[int, int]:
+        """(gaps <= `slo.itl_s`, gaps) of this request, for pooled ITL attainment: a request that
+        failed counts every gap it had as a miss, plus one for the answer it never finished."""
+        gaps = max(0, len(self.token_times) - 1)
+        if not self.ok:
+            return 0, gaps + 1
+        if slo.itl_s is None:
+            return gaps, gaps
+        limit = slo.itl_s
+        return sum(gap <= limit for gap in self.itls), gaps
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
