@@ -8,7 +8,7 @@ requests), SLOs p99 TTFT <= 2 s and p99 ITL (TPOT) <= 0.15 s, objective `capacit
 arrival rate at which both p99s hold, bracketed and bisected per trial by `tuner.capacity`).
 
 1. The grid: every combination of the four knobs below is simulated once (in --workers spawned
-   processes), through the same `_Evaluator.score` a `fairgate tune` trial runs.
+   processes), through the same `Evaluator.score` a `fairgate tune` trial runs.
 2. The simulator is deterministic, so a config's objective is a pure function of its knobs:
    Optuna and random search look their trials up in the grid table instead of re-simulating
    (checked by re-simulating a few configs). Each suggestion is a grid point: the knobs are
@@ -51,17 +51,13 @@ import optuna  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from fairgate.tune_cli import _BENCH_DEFAULTS  # noqa: E402
 from protocol.measures import SLO  # noqa: E402
+from tuner.baselines import vllm_grid  # noqa: E402
 from tuner.bench_cli import plan_requests  # noqa: E402
+from tuner.evaluate import Evaluator  # noqa: E402
+from tuner.measures import CONSTRAINTS, VIOLATION_CAP, measure  # noqa: E402
+from tuner.runners import SimRunner  # noqa: E402
 from tuner.space import Choices, Space  # noqa: E402
-from tuner.study import (  # noqa: E402
-    CONSTRAINTS,
-    VIOLATION_CAP,
-    SimRunner,
-    TuneSpec,
-    _Evaluator,
-    measure,
-    vllm_grid,
-)
+from tuner.spec import TuneSpec  # noqa: E402
 from tuner.traces import TraceRequest  # noqa: E402
 
 HEAD_TRACE = ROOT / "tests" / "tuner" / "data" / "azure_conv_head.csv"
@@ -116,7 +112,7 @@ def score(spec: TuneSpec, params: dict[str, Any]) -> Point:
     """What a `fairgate tune` trial of `params` records (runs in a worker process)."""
     started = time.perf_counter()
     runner = SimRunner()
-    evaluator = _Evaluator(spec, runner, runner.prepare(spec.base))
+    evaluator = Evaluator(spec, runner, runner.prepare(spec.base))
     try:
         scored = evaluator.score(evaluator.config(params), spec.requests)
     except ValueError as exc:
@@ -226,7 +222,7 @@ def speed_trial() -> tuple[int, str, float, float, str | None]:
     run = runner.run(config, requests, lambda finished: None)
     measure(run, len(requests), SLOS)
     whole = time.perf_counter() - started
-    evaluator = _Evaluator(spec, runner, config)
+    evaluator = Evaluator(spec, runner, config)
     started = time.perf_counter()
     scored = evaluator.score(config, spec.requests)
     trial = time.perf_counter() - started

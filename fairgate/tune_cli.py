@@ -46,21 +46,11 @@ from gateway.config import ADMIN_KEY_ENV  # a tune job's worker gets the key her
 from protocol.measures import SLO
 from protocol.validators import check_int, check_number, check_positive_int
 from tuner.bench_cli import plan_requests
+from tuner.outcome import value_text
+from tuner.runners import MODES, RUNNERS, RunnerOptions, check_mode
 from tuner.space import default_space, load_space_file
-from tuner.study import (
-    HEARTBEAT_S,
-    MAX_RECHECK,
-    MODES,
-    OBJECTIVES,
-    RUNNERS,
-    RunnerOptions,
-    TuneSpec,
-    Variant,
-    check_mode,
-    check_objective,
-    run_study,
-    value_text,
-)
+from tuner.spec import HEARTBEAT_S, MAX_RECHECK, OBJECTIVES, TuneSpec, Variant, check_objective
+from tuner.study import run_study
 from tuner.traces import TRACE_FORMATS, TraceRequest
 from tuner.workload import WORKLOADS
 

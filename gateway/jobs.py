@@ -666,7 +666,8 @@ class JobManager:
         """The study's trials (a thread: Optuna's storage is synchronous)."""
         import optuna
 
-        from tuner.study import TrialRow, optuna_storage_url
+        from tuner.outcome import TrialRow
+        from tuner.spec import optuna_storage_url
 
         if self._optuna is None:
             optuna.logging.set_verbosity(optuna.logging.WARNING)

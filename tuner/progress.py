@@ -141,3 +141,6 @@ def _elapsed(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+Progress = ProgressBar  # the type a study reports to: a bar on a terminal, one line per event elsewhere

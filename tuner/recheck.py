@@ -33,20 +33,14 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
+from tuner.evaluate import Evaluator
+from tuner.measures import TrialMeasures, seconds_text
+from tuner.outcome import StudyOutcome, TrialRow, distinct
+from tuner.progress import Progress
 from tuner.remote import error_text, request_bytes, request_json
+from tuner.runners import SimRunner, TrialRunner
 from tuner.shadow_mode import ShadowRunner, find_target
-from tuner.study import (
-    Progress,
-    SimRunner,
-    StudyOutcome,
-    TrialMeasures,
-    TrialRow,
-    TrialRunner,
-    TuneSpec,
-    _distinct,
-    _Evaluator,
-    _s,
-)
+from tuner.spec import TuneSpec
 from tuner.traces import TraceError, TraceRequest, parse_fairgate_trace
 
 SOURCES = ("shadow", "replay", "sim")
@@ -156,14 +150,14 @@ def candidates(outcome: StudyOutcome, count: int) -> list[TrialRow]:
         return []
     others = sorted((r for r in outcome.rows if r.feasible and r.value is not None),
                     key=lambda r: (-(r.value or 0.0), r.number))
-    return _distinct([best, *others])[:count]
+    return distinct([best, *others])[:count]
 
 
 def run_source(spec: TuneSpec, runner: TrialRunner, rows: Iterable[TrialRow],
                trace: Sequence[TraceRequest], source: str, say: Say) -> dict[int, Figures | str]:
     """Each config of `rows` on `trace` with `runner` (every request to its end): its figures,
     or why it did not run."""
-    evaluator = _Evaluator(spec, runner, runner.prepare(spec.base), full_runs=True)
+    evaluator = Evaluator(spec, runner, runner.prepare(spec.base), full_runs=True)
     out: dict[int, Figures | str] = {}
     rows = list(rows)
     for i, row in enumerate(rows):
@@ -199,7 +193,7 @@ def _replays(spec: TuneSpec, runner: ShadowRunner, picked: Sequence[TrialRow],
 def describe(result: Figures | str) -> str:
     if isinstance(result, str):
         return result
-    return (f"p99 TTFT {_s(result.p99_ttft_s)}, p99 ITL {_s(result.p99_itl_s)}, SLO "
+    return (f"p99 TTFT {seconds_text(result.p99_ttft_s)}, p99 ITL {seconds_text(result.p99_itl_s)}, SLO "
             f"attainment {result.slo_attainment:.1%} ({result.result})")
 
 
@@ -331,7 +325,7 @@ def cells(recheck: Recheck, knobs: Sequence[str]) -> list[list[str]]:
         line = [row.role, f"#{row.number}", *(_knob(row.params.get(k, "")) for k in knobs)]
         for source in SOURCES:
             got = row.figures.get(source)
-            line += ([_s(got.p99_ttft_s), _s(got.p99_itl_s), f"{got.slo_attainment:.1%}"]
+            line += ([seconds_text(got.p99_ttft_s), seconds_text(got.p99_itl_s), f"{got.slo_attainment:.1%}"]
                      if got is not None else ["-", "-", "-"])
             if source == "shadow":
                 gain = got.attainment_gain if got is not None else None

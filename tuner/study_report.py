@@ -24,17 +24,9 @@ import yaml
 from engine.config import EngineConfig
 from tuner import recheck as recheck_table
 from tuner import report_html as html
-from tuner.study import (
-    OBJECTIVE_TEXT,
-    OBJECTIVE_UNIT,
-    StudyOutcome,
-    TrialRow,
-    TuneSpec,
-    _s,
-    best_row,
-    pareto_front,
-    value_text,
-)
+from tuner.measures import seconds_text
+from tuner.outcome import StudyOutcome, TrialRow, best_row, pareto_front, value_text
+from tuner.spec import OBJECTIVE_TEXT, OBJECTIVE_UNIT, TuneSpec
 
 
 def write_outputs(spec: TuneSpec, outcome: StudyOutcome,
@@ -75,8 +67,8 @@ def best_yaml(spec: TuneSpec, outcome: StudyOutcome) -> str:
     m = best.measures or {}
     header = (f"# fairgate tune --mode {spec.mode}: study {outcome.study_name}, trial "
               f"#{best.number}\n# {value_text(best)}, p99 TTFT "
-              f"{_s(m.get('p99_ttft_s'))} (SLO {_s(spec.slo.ttft_s)}), p99 ITL "
-              f"{_s(m.get('p99_itl_s'))} (SLO {_s(spec.slo.itl_s)})\n")
+              f"{seconds_text(m.get('p99_ttft_s'))} (SLO {seconds_text(spec.slo.ttft_s)}), p99 ITL "
+              f"{seconds_text(m.get('p99_itl_s'))} (SLO {seconds_text(spec.slo.itl_s)})\n")
     body = yaml.safe_dump({"engine": engine_section(spec.base, best.params)}, sort_keys=False)
     return header + body
 
@@ -162,7 +154,7 @@ def report_md(spec: TuneSpec, outcome: StudyOutcome, top: int = 10) -> str:
     lines = [f"# fairgate tune: study {outcome.study_name}", "",
              f"- mode: {spec.mode}; objective: {objective_text(spec)}",
              f"- workload: {workload_text(spec)}",
-             f"- SLOs: p99 TTFT <= {_s(spec.slo.ttft_s)}, p99 ITL (TPOT) <= {_s(spec.slo.itl_s)}",
+             f"- SLOs: p99 TTFT <= {seconds_text(spec.slo.ttft_s)}, p99 ITL (TPOT) <= {seconds_text(spec.slo.itl_s)}",
              "- space: " + ", ".join(f"{k} {v}" for k, v in spec.space.describe().items()),
              f"- trials: {len(rows)}, feasible: {len(feasible)}"
              + (f", re-run after a worker stopped: {len(retried)}" if retried else ""), ""]
@@ -331,10 +323,10 @@ def _markdown(table: Sequence[Sequence[str]]) -> list[str]:
 
 
 def _with_ci(m: dict[str, Any], name: str) -> str:
-    if f"{name}_s" not in m:
+    if f"{name}seconds_text" not in m:
         return "-"
     low, high = m.get(f"{name}_ci") or (None, None)
-    return f"{_s(m[f'{name}_s'])} ({_s(low)}..{_s(high)})"
+    return f"{seconds_text(m[f'{name}seconds_text'])} ({seconds_text(low)}..{seconds_text(high)})"
 
 
 # ----------------------------------------------------------------------------- report.html

@@ -12,9 +12,11 @@ from fairgate.cli import main
 from fairgate.engine_cli import build_config
 from protocol.measures import SLO, RequestTiming, attainment
 from tuner.capacity import mean_rate, scale_arrivals, search_capacity
+from tuner.measures import early_stop, measure, quantile_ci
+from tuner.runners import SimRunner
 from tuner.simulate import simulate
 from tuner.space import build_config as build_space_config
-from tuner.study import SimRunner, early_stop, measure, optuna_storage_url, quantile_ci
+from tuner.spec import optuna_storage_url
 from tuner.traces import TraceRequest
 from tuner.workload import LoadShape, MixSpec, TenantMix, build_mix, get_workload
 

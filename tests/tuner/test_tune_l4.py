@@ -14,7 +14,7 @@ import yaml
 
 from fairgate.cli import main
 from tests.support.processes import fairgate_engine
-from tuner.study import quantile_ci
+from tuner.measures import quantile_ci
 
 TRACE = Path(__file__).parent / "data" / "azure_conv_head.csv"
 WORKLOAD = ["--trace", str(TRACE), "--rate", "2", "--duration", "45"]  # 29 requests

@@ -20,6 +20,7 @@ from gateway.config import GatewayConfig
 from tests.gateway.helpers import ServerThread, create_tenants
 from tests.support.processes import fairgate_engine
 from tuner.loadgen import RunOptions, Target, run_workload_sync
+from tuner.outcome import StudyOutcome, TrialRow
 from tuner.recheck import (
     ENABLE_HINT,
     Recheck,
@@ -30,7 +31,6 @@ from tuner.recheck import (
     paused_mirroring,
 )
 from tuner.remote import request_json
-from tuner.study import StudyOutcome, TrialRow
 from tuner.workload import Lengths, LoadShape, Synthetic, build_requests
 
 ADMIN_KEY = "admin-key-0123456789"

@@ -22,14 +22,10 @@ from engine.sim import SimExecutor
 from fairgate.cli import main
 from tests.support import postgres
 from tests.support.processes import ROOT, wait_for_output
+from tuner.outcome import TrialRow, pareto_front
+from tuner.robustness import Robustness, recommend
 from tuner.space import build_config
-from tuner.study import (
-    VLLM_GRID,
-    Robustness,
-    TrialRow,
-    pareto_front,
-    recommend,
-)
+from tuner.spec import VLLM_GRID
 
 WORKLOAD = ["--workload", "uniform", "--rate", "10", "--duration", "4"]  # 36 requests
 SLOS = ["--slo-ttft-p99", "0.5", "--slo-itl-p99", "0.05"]
