@@ -99,6 +99,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--launch-timeout", type=float, default=RunnerOptions.launch_timeout_s,
                         metavar="S", help="launch: seconds a server has to answer /health "
                         f"(default {RunnerOptions.launch_timeout_s:g})")
+    parser.add_argument("--engine", default="fairgate", metavar="NAME",
+                        help="vllm | sglang | fairgate (default): launch: the server --command "
+                        "starts; its flags for the tuned knobs (and --host/--port unless "
+                        "--command has {port}) are appended, its out-of-memory lines make a "
+                        "trial infeasible. best.yaml gives the winner as its flags")
     parser.add_argument("-c", "--config", metavar="FILE",
                         help="fairgate.yaml: its `engine` section is the base config, its "
                              "`database` the default study storage")
@@ -289,6 +294,7 @@ def _plan(args: argparse.Namespace, **changes: Any) -> list[Any]:
 
 def runner_options(mode: str, args: argparse.Namespace) -> RunnerOptions:
     """The mode's own options, checked up front (a replay --url must answer)."""
+    from tuner.engines import engine_named
     from tuner.loadgen import Target
     from tuner.remote import check_reachable, check_template
 
@@ -311,6 +317,7 @@ def runner_options(mode: str, args: argparse.Namespace) -> RunnerOptions:
     if mode == "shadow" and (args.gateway is None or args.shadow is None):
         raise ValueError("--mode shadow needs --gateway URL and --shadow NAME")
     timeout = check_number("--launch-timeout", args.launch_timeout, low=0, open_low=True)
+    engine_named(args.engine)  # checked; RunnerOptions(engine=...) once it has the field
     return RunnerOptions(url=args.url[0] if args.url else None, command=args.launch_command,
                          api_key=args.api_key, launch_timeout_s=timeout, gateway=args.gateway,
                          admin_key=args.admin_key, shadow=args.shadow,

@@ -24,6 +24,7 @@ import yaml
 from engine.config import EngineConfig
 from tuner import recheck as recheck_table
 from tuner import report_html as html
+from tuner.engines import DEFAULT_ENGINE, engine_named
 from tuner.measures import seconds_text
 from tuner.outcome import StudyOutcome, TrialRow, best_row, pareto_front, value_text
 from tuner.spec import OBJECTIVE_TEXT, OBJECTIVE_UNIT, TuneSpec
@@ -69,8 +70,16 @@ def best_yaml(spec: TuneSpec, outcome: StudyOutcome) -> str:
               f"#{best.number}\n# {value_text(best)}, p99 TTFT "
               f"{seconds_text(m.get('p99_ttft_s'))} (SLO {seconds_text(spec.slo.ttft_s)}), p99 ITL "
               f"{seconds_text(m.get('p99_itl_s'))} (SLO {seconds_text(spec.slo.itl_s)})\n")
-    body = yaml.safe_dump({"engine": engine_section(spec.base, best.params)}, sort_keys=False)
+    body = yaml.safe_dump({"engine": engine_section(spec.base, best.params),
+                           "tuner": engine_flags(spec, best.params)}, sort_keys=False)
     return header + body
+
+
+def engine_flags(spec: TuneSpec, params: dict[str, Any]) -> dict[str, Any]:
+    """best.yaml's `tuner:` section: the winner's tuned knobs as --engine's own command-line
+    flags (vLLM's, SGLang's, or fairgate's `--set`), to start that server with."""
+    engine = engine_named(getattr(spec.runner, "engine", DEFAULT_ENGINE))
+    return {"engine": engine.name, "flags": engine.flags_for(params)}
 
 
 CAPACITY_COLUMNS = ("factor", "probes")  # the rate factor at capacity, probes run to find it
