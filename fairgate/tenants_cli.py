@@ -33,8 +33,9 @@ _FIELD_OPTIONS: dict[str, tuple[str, str]] = {
     "--max-queued-tokens": ("max_queued_tokens", "int?"),
     "--max-tokens": ("max_tokens", "int?"),
     "--queue-timeout": ("queue_timeout_s", "float?"),
-    "--slo-ttft-p99": ("slo_ttft_p99_s", "float?"),
-    "--slo-itl-p99": ("slo_itl_p99_s", "float?"),
+    "--slo-ttft-p99": ("slo_ttft_p99_s", "float?"),  # each request's TTFT
+    "--slo-tpot-p99": ("slo_tpot_p99_s", "float?"),  # each request's TPOT
+    "--slo-itl-p99": ("slo_itl_p99_s", "float?"),  # every gap between tokens, pooled
 }
 _UNSET = ("none", "unlimited", "null")
 

@@ -19,6 +19,7 @@ from tenants.values import (
     TenantLimits,
     TenantNotFoundError,
     UsageEvent,
+    slo_outcomes,
 )
 from tenants.yaml_io import ImportResult, export_yaml, import_yaml
 
@@ -46,4 +47,5 @@ __all__ = [
     "import_yaml",
     "migrate",
     "normalize_url",
+    "slo_outcomes",
 ]

@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 Row = dict[str, Any]
 
 _INSERT_CHUNK = 2_000
-_MINUTE_CHUNK = 500  # rollup rows per upsert (14 bound values each)
+_MINUTE_CHUNK = 500  # rollup rows per upsert (16 bound values each)
 _MAX_MINUTE = 2**31 - 1
 PRUNE_EVERY_S = 3600.0  # fg_usage_minutes.minute is a 32-bit integer
 LATENCY_COLUMNS = ("ttft", "e2e", "queue_time")
@@ -85,7 +85,8 @@ class LedgerFullError(RuntimeError):
 # C0 and C1 controls (NUL among them: PostgreSQL refuses it in text), the line and paragraph
 # separators (line breaks to a log reader) and lone surrogates (no database can encode them).
 _UNSAFE_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
-_COUNT_COLUMNS = frozenset({"prompt_tokens", "completion_tokens"})  # never negative
+_COUNT_COLUMNS = frozenset({"prompt_tokens", "completion_tokens", "itl_gaps",
+                            "itl_gaps_met"})  # never negative
 Cleaner = Callable[[str, Any], Any]  # (field name, value) -> storable value, None if it has none
 
 
@@ -216,14 +217,17 @@ def _event_row(e: UsageEvent) -> Row:
         "finished_at": _finished_at(e),
         "tpot": e.tpot,
         "slo_ttft": None if e.slo_ttft is None else int(e.slo_ttft),
-        "slo_itl": None if e.slo_itl is None else int(e.slo_itl),
+        "slo_tpot": None if e.slo_tpot is None else int(e.slo_tpot),
         "cached_tokens": e.cached_tokens,
         "backend": e.backend,
+        "itl_gaps": e.itl_gaps,
+        "itl_gaps_met": e.itl_gaps_met,
     }
 
 
 MINUTE_COUNTS = ("requests", "ok", "rejected", "failed", "prompt_tokens", "completion_tokens",
-                 "ttft_checked", "ttft_met", "itl_checked", "itl_met", "slo_checked", "slo_met")
+                 "ttft_checked", "ttft_met", "tpot_checked", "tpot_met", "slo_checked", "slo_met",
+                 "itl_gaps", "itl_gaps_met")
 
 
 def minute_rollups(rows: Iterable[Row], unit: int = 60, column: str = "minute") -> list[Row]:
@@ -245,16 +249,20 @@ def minute_rollups(rows: Iterable[Row], unit: int = 60, column: str = "minute") 
         m["failed"] += status >= 500
         m["prompt_tokens"] += r["prompt_tokens"]
         m["completion_tokens"] += r["completion_tokens"]
-        ttft, itl = r.get("slo_ttft"), r.get("slo_itl")
+        ttft, tpot = r.get("slo_ttft"), r.get("slo_tpot")
         if ttft is not None:
             m["ttft_checked"] += 1
             m["ttft_met"] += ttft
-        if itl is not None:
-            m["itl_checked"] += 1
-            m["itl_met"] += itl
-        if ttft is not None or itl is not None:
+        if tpot is not None:
+            m["tpot_checked"] += 1
+            m["tpot_met"] += tpot
+        if ttft is not None or tpot is not None:
             m["slo_checked"] += 1
-            m["slo_met"] += (ttft is None or ttft == 1) and (itl is None or itl == 1)
+            m["slo_met"] += (ttft is None or ttft == 1) and (tpot is None or tpot == 1)
+        gaps, met = r.get("itl_gaps"), r.get("itl_gaps_met")
+        if gaps is not None and met is not None:
+            m["itl_gaps"] += gaps
+            m["itl_gaps_met"] += min(met, gaps)  # normalise_row bounds each alone
     return list(sums.values())
 
 

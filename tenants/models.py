@@ -39,7 +39,9 @@ class TenantRow(Base):
     max_queued_tokens: Mapped[int | None] = mapped_column(Integer)
     max_tokens: Mapped[int | None] = mapped_column(Integer)
     queue_timeout_s: Mapped[float | None] = mapped_column(Float)
+    # p99 targets (protocol.measures.SLO): TTFT and TPOT per request, ITL per gap pooled
     slo_ttft_p99_s: Mapped[float | None] = mapped_column(Float)
+    slo_tpot_p99_s: Mapped[float | None] = mapped_column(Float)  # slo_itl_p99_s before 0005
     slo_itl_p99_s: Mapped[float | None] = mapped_column(Float)
     enabled: Mapped[bool] = mapped_column(Boolean, nullable=False)
     created_at: Mapped[float] = mapped_column(Float, nullable=False)
@@ -82,13 +84,17 @@ class UsageRow(Base):
     e2e: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[float] = mapped_column(Float, nullable=False)
     finished_at: Mapped[float] = mapped_column(Float, nullable=False)
-    tpot: Mapped[float | None] = mapped_column(Float)  # the SLO module's ITL for one request
+    tpot: Mapped[float | None] = mapped_column(Float)  # (last - first token) / (tokens - 1)
     # against the tenant's SLO then: 1 met, 0 missed (a failed or refused request misses),
     # NULL when it set no such target or a non-streamed answer has no first token to time
     slo_ttft: Mapped[int | None] = mapped_column(SmallInteger)
-    slo_itl: Mapped[int | None] = mapped_column(SmallInteger)
+    slo_tpot: Mapped[int | None] = mapped_column(SmallInteger)  # slo_itl before 0005
     cached_tokens: Mapped[int | None] = mapped_column(Integer)  # prompt tokens from the cache
     backend: Mapped[str | None] = mapped_column(String(512))  # the engine that served it
+    # its part of the pooled ITL target (RequestTiming.gaps_within): gaps within it, of its
+    # gaps (a failed or refused request: 0 of its gaps + 1); NULL as for the outcomes above
+    itl_gaps: Mapped[int | None] = mapped_column(Integer)
+    itl_gaps_met: Mapped[int | None] = mapped_column(Integer)
 
 
 class RollupCounts:
@@ -100,12 +106,17 @@ class RollupCounts:
     failed: Mapped[int] = mapped_column(Integer, nullable=False)  # >= 500
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
     completion_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    # requests checked against a TTFT, a TPOT target, and met it
     ttft_checked: Mapped[int] = mapped_column(Integer, nullable=False)
     ttft_met: Mapped[int] = mapped_column(Integer, nullable=False)
-    itl_checked: Mapped[int] = mapped_column(Integer, nullable=False)
-    itl_met: Mapped[int] = mapped_column(Integer, nullable=False)
-    slo_checked: Mapped[int] = mapped_column(Integer, nullable=False)  # any target checked
-    slo_met: Mapped[int] = mapped_column(Integer, nullable=False)  # every checked one met
+    tpot_checked: Mapped[int] = mapped_column(Integer, nullable=False)  # itl_checked before 0005
+    tpot_met: Mapped[int] = mapped_column(Integer, nullable=False)  # itl_met before 0005
+    # requests checked against a TTFT or TPOT target; those that met every one checked (goodput)
+    slo_checked: Mapped[int] = mapped_column(Integer, nullable=False)
+    slo_met: Mapped[int] = mapped_column(Integer, nullable=False)
+    # gaps between tokens checked against an ITL target (pooled), and within it
+    itl_gaps: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    itl_gaps_met: Mapped[int] = mapped_column(BigInteger, nullable=False)
 
 
 class UsageMinuteRow(RollupCounts, Base):

@@ -53,6 +53,7 @@ def row_to_info(row: TenantRow) -> TenantInfo:
         default_priority=row.default_priority,
         allowed_priorities=tuple(row.allowed_priorities.split(",")),
         slo_ttft_p99_s=row.slo_ttft_p99_s,
+        slo_tpot_p99_s=row.slo_tpot_p99_s,
         slo_itl_p99_s=row.slo_itl_p99_s,
         enabled=row.enabled,
     )
@@ -71,6 +72,7 @@ def info_to_row_values(info: TenantInfo) -> dict[str, Any]:
         default_priority=info.default_priority,
         allowed_priorities=",".join(info.allowed_priorities),
         slo_ttft_p99_s=info.slo_ttft_p99_s,
+        slo_tpot_p99_s=info.slo_tpot_p99_s,
         slo_itl_p99_s=info.slo_itl_p99_s,
         enabled=info.enabled,
     )
@@ -144,6 +146,7 @@ class TenantStore:
         allowed_priorities: Sequence[str] = PRIORITIES,
         limits: TenantLimits | None = None,
         slo_ttft_p99_s: float | None = None,
+        slo_tpot_p99_s: float | None = None,
         slo_itl_p99_s: float | None = None,
         enabled: bool = True,
     ) -> TenantInfo:
@@ -154,6 +157,7 @@ class TenantStore:
             allowed_priorities=allowed_priorities,  # type: ignore[arg-type]  # TenantInfo refuses a bare string
             limits=limits or TenantLimits(),
             slo_ttft_p99_s=slo_ttft_p99_s,
+            slo_tpot_p99_s=slo_tpot_p99_s,
             slo_itl_p99_s=slo_itl_p99_s,
             enabled=enabled,
         )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from protocol.fairness import WEIGHT_RANGE
+from protocol.measures import SLO, RequestTiming
 from protocol.priority import PRIORITIES
 from protocol.validators import check_bool, check_known_keys, check_number, check_positive_int
 
@@ -25,6 +26,9 @@ NAME_RULE = "1-64 characters of letters, digits, '.', '_' or '-', starting with 
 # The limits' INTEGER columns: PostgreSQL's is 32-bit signed (SQLite's holds more; one bound for
 # both keeps a tenants file portable between them).
 INT_COLUMN_MAX = 2**31 - 1
+# A tenant's p99 targets (protocol.measures.SLO): TTFT and TPOT per request, ITL per gap. A
+# value stored as slo_itl_p99_s before migration 0005 bounded TPOT: it is slo_tpot_p99_s now.
+SLO_FIELDS = ("slo_ttft_p99_s", "slo_tpot_p99_s", "slo_itl_p99_s")
 
 
 def shown(value: object, limit: int = 80) -> str:
@@ -147,8 +151,9 @@ class TenantInfo:
     default_priority: str = "interactive"
     allowed_priorities: tuple[str, ...] = PRIORITIES
     limits: TenantLimits = field(default_factory=TenantLimits)
-    slo_ttft_p99_s: float | None = None
-    slo_itl_p99_s: float | None = None
+    slo_ttft_p99_s: float | None = None  # each request's TTFT
+    slo_tpot_p99_s: float | None = None  # each request's TPOT
+    slo_itl_p99_s: float | None = None  # every gap between two tokens, pooled
     enabled: bool = True
     id: int | None = None  # None until stored
 
@@ -158,7 +163,7 @@ class TenantInfo:
             check_number("weight", self.weight, low=0, open_low=True)
             check_number("weight", self.weight, low=WEIGHT_RANGE[0], high=WEIGHT_RANGE[1])
         # An SLO target of None means "no target", the same shape as an unlimited limit.
-        for name in ("slo_ttft_p99_s", "slo_itl_p99_s"):
+        for name in SLO_FIELDS:
             if getattr(self, name) is not None:
                 with _tenant_errors(name):
                     check_number(name, getattr(self, name), low=0, open_low=True)
@@ -190,6 +195,11 @@ class TenantInfo:
                 f"default_priority {self.default_priority!r} is not in allowed_priorities "
                 f"{list(self.allowed_priorities)}", "default_priority"
             )
+
+    @property
+    def slo(self) -> SLO:
+        """The tenant's latency targets, as protocol.measures checks them."""
+        return SLO(self.slo_ttft_p99_s, self.slo_tpot_p99_s, self.slo_itl_p99_s)
 
     def settings(self) -> dict[str, Any]:
         """Every field but `id` and `name`: what `TenantStore.create_tenant` takes."""
@@ -279,9 +289,13 @@ class UsageEvent:
     e2e: float | None = None
     created_at: float = field(default_factory=time.time)  # arrival, epoch seconds
     finished_at: float | None = None  # None: created_at + e2e
-    tpot: float | None = None  # mean gap between its tokens after the first (the SLO's ITL)
+    tpot: float | None = None  # mean gap between its tokens after the first
     slo_ttft: bool | None = None  # met the tenant's TTFT target; None: no target or unmeasured
-    slo_itl: bool | None = None
+    slo_tpot: bool | None = None  # met its TPOT target
+    # its part of the tenant's pooled ITL target (RequestTiming.gaps_within): gaps within the
+    # target, of its gaps; None: no ITL target or unmeasured
+    itl_gaps_met: int | None = None
+    itl_gaps: int | None = None
     cached_tokens: int | None = None
     backend: str | None = None
 
@@ -289,3 +303,16 @@ class UsageEvent:
         if self.finished_at is not None:
             return self.finished_at
         return self.created_at + (self.e2e or 0.0)
+
+
+def slo_outcomes(slo: SLO, timing: RequestTiming) -> dict[str, Any]:
+    """A request's UsageEvent fields against `slo`, for each target it sets: `slo_ttft`,
+    `slo_tpot` (met or not) and `itl_gaps_met`, `itl_gaps` (RequestTiming.gaps_within)."""
+    out: dict[str, Any] = {}
+    if slo.ttft_s is not None:
+        out["slo_ttft"] = timing.meets_ttft(slo)
+    if slo.tpot_s is not None:
+        out["slo_tpot"] = timing.meets_tpot(slo)
+    if slo.itl_s is not None:
+        out["itl_gaps_met"], out["itl_gaps"] = timing.gaps_within(slo)
+    return out

@@ -15,8 +15,9 @@ Format::
           max_queued_tokens: 100000
           max_tokens: 4096
           queue_timeout_s: 30
-        slo_ttft_p99_s: 1.5
-        slo_itl_p99_s: 0.1
+        slo_ttft_p99_s: 1.5              # p99 of each request's time to first token
+        slo_tpot_p99_s: 0.1              # p99 of each request's time per output token
+        slo_itl_p99_s: 0.25              # p99 of every gap between two tokens, pooled
         enabled: true
         keys:
           - create: true                 # a generated key, printed once
@@ -307,6 +308,7 @@ def tenant_to_dict(info: TenantInfo, hashes: list[str]) -> dict[str, Any]:
         "allowed_priorities": list(info.allowed_priorities),
         "limits": dataclasses.asdict(info.limits),
         "slo_ttft_p99_s": info.slo_ttft_p99_s,
+        "slo_tpot_p99_s": info.slo_tpot_p99_s,
         "slo_itl_p99_s": info.slo_itl_p99_s,
         "enabled": info.enabled,
         "keys": [{"hash": h} for h in hashes],

@@ -79,6 +79,23 @@ def test_tenant_and_key_lifecycle(database_url: str, capsys: pytest.CaptureFixtu
     assert code == 0 and json.loads(cli(capsys, "tenants", "list", "--json", *db)[1]) == []
 
 
+def test_the_three_slo_flags(database_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--slo-ttft-p99 and --slo-tpot-p99 bound each request, --slo-itl-p99 every gap: three
+    fields, each set and unset on its own."""
+    db = ("--database", database_url)
+    code, _, _ = cli(capsys, "tenants", "create", "acme", "--slo-ttft-p99", "0.5",
+                     "--slo-tpot-p99", "0.05", "--slo-itl-p99", "0.2", *db)
+    assert code == 0
+    [acme] = json.loads(cli(capsys, "tenants", "list", "--json", *db)[1])
+    assert (acme["slo_ttft_p99_s"], acme["slo_tpot_p99_s"], acme["slo_itl_p99_s"]) == (
+        0.5, 0.05, 0.2)
+    assert cli(capsys, "tenants", "update", "acme", "--slo-itl-p99", "none", *db)[0] == 0
+    [acme] = json.loads(cli(capsys, "tenants", "list", "--json", *db)[1])
+    assert (acme["slo_tpot_p99_s"], acme["slo_itl_p99_s"]) == (0.05, None)
+    code, _, err = cli(capsys, "tenants", "update", "acme", "--slo-tpot-p99", "0", *db)
+    assert code != 0 and "slo_tpot_p99_s must be > 0" in err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

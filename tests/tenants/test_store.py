@@ -36,7 +36,7 @@ async def test_init_is_idempotent_and_schema_matches_models(store: TenantStore) 
             return compare_metadata(context, Base.metadata)
 
         assert await conn.run_sync(diff) == []  # migrations create exactly the models' tables
-    assert version == "0004"  # the newest migration
+    assert version == "0005"  # the newest migration
 
 
 async def test_a_database_versioned_in_alembic_version_is_adopted_and_optuna_shares_it(
@@ -67,7 +67,7 @@ async def test_a_database_versioned_in_alembic_version_is_adopted_and_optuna_sha
             tables = await conn.run_sync(lambda c: set(sa_inspect(c).get_table_names()))
     finally:
         await store.close()
-    assert version == "0004" and "alembic_version" not in tables and "fg_tune_jobs" in tables
+    assert version == "0005" and "alembic_version" not in tables and "fg_tune_jobs" in tables
     study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'old.db'}")
     study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
     store = TenantStore(url)

@@ -4,7 +4,16 @@ import math
 
 import pytest
 
-from tenants import KEY_PREFIX, TenantError, TenantInfo, TenantLimits, generate_key, hash_key
+from protocol.measures import SLO, RequestTiming
+from tenants import (
+    KEY_PREFIX,
+    TenantError,
+    TenantInfo,
+    TenantLimits,
+    generate_key,
+    hash_key,
+    slo_outcomes,
+)
 from tenants.db import normalize_url
 from tenants.keys import hashes_equal, is_valid_hash, looks_like_key
 
@@ -36,6 +45,25 @@ def test_weight_must_be_positive(weight: object) -> None:
 def test_bad_names(name: str) -> None:
     with pytest.raises(TenantError, match="tenant name"):
         TenantInfo(name=name)
+
+
+def test_a_tenants_three_slos() -> None:
+    info = TenantInfo("acme", slo_ttft_p99_s=0.5, slo_tpot_p99_s=0.05, slo_itl_p99_s=0.2)
+    assert info.slo == SLO(ttft_s=0.5, tpot_s=0.05, itl_s=0.2)
+    assert TenantInfo("bare").slo.unset
+    for field in ("slo_ttft_p99_s", "slo_tpot_p99_s", "slo_itl_p99_s"):
+        with pytest.raises(TenantError, match=f"{field} must be > 0") as caught:
+            TenantInfo("acme", **{field: 0})  # type: ignore[arg-type]
+        assert caught.value.field == field
+
+
+def test_slo_outcomes_fill_only_the_targets_a_tenant_sets() -> None:
+    timing = RequestTiming(0.0, (0.25, 0.3125, 0.4375, 0.5), 4, 0.5)  # TPOT 1/12, gaps 1/16, 1/8
+    assert slo_outcomes(SLO(), timing) == {}
+    assert slo_outcomes(SLO(ttft_s=0.2, tpot_s=0.1, itl_s=0.0625), timing) == {
+        "slo_ttft": False, "slo_tpot": True, "itl_gaps_met": 2, "itl_gaps": 3}
+    assert slo_outcomes(SLO(itl_s=1.0), RequestTiming(0.0, (), 0, 0.0, ok=False)) == {
+        "itl_gaps_met": 0, "itl_gaps": 1}  # turned away: a missed gap
 
 
 def test_priorities_checked_and_normalised() -> None:

@@ -49,6 +49,23 @@ async def test_create_entries_replace_revoked_keys_only(store: TenantStore) -> N
     assert len([k for k in await store.list_keys("acme") if not k.revoked]) == 2
 
 
+async def test_the_three_slo_fields_round_trip(store: TenantStore) -> None:
+    """slo_ttft_p99_s and slo_tpot_p99_s (per request) and slo_itl_p99_s (per gap) import,
+    export and import again as they were."""
+    await import_yaml(store, "tenants:\n  - name: acme\n    slo_ttft_p99_s: 1.5\n"
+                             "    slo_tpot_p99_s: 0.1\n    slo_itl_p99_s: 0.25\n")
+    acme = await store.get_tenant("acme")
+    assert acme is not None
+    assert (acme.slo_ttft_p99_s, acme.slo_tpot_p99_s, acme.slo_itl_p99_s) == (1.5, 0.1, 0.25)
+    [exported] = yaml.safe_load(await export_yaml(store))["tenants"]
+    assert {k: v for k, v in exported.items() if k.startswith("slo_")} == {
+        "slo_ttft_p99_s": 1.5, "slo_tpot_p99_s": 0.1, "slo_itl_p99_s": 0.25}
+    again = await import_yaml(store, yaml.safe_dump({"tenants": [exported]}))
+    assert not again.changed
+    with pytest.raises(TenantError, match="slo_itl_p99_s must be > 0"):
+        await import_yaml(store, "tenants:\n  - name: acme\n    slo_itl_p99_s: 0\n")
+
+
 async def test_update_merges_fields(store: TenantStore) -> None:
     await import_yaml(store, FILE)
     await store.update_tenant("acme", max_concurrent=4)
