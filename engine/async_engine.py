@@ -252,8 +252,11 @@ class AsyncEngine:
         return snapshot
 
     def stats_window(self, window_s: float, slo_ttft: float | None = None,
+                     slo_tpot: float | None = None,
                      slo_itl: float | None = None) -> dict[str, Any]:
-        stats = self.stats.window(self.now(), window_s, slo_ttft, slo_itl)
+        """`GET /stats`: engine.stats' window; `slo_ttft` and `slo_tpot` bound each request
+        (goodput), `slo_itl` every gap (itl_attainment)."""
+        stats = self.stats.window(self.now(), window_s, slo_ttft, slo_tpot, slo_itl)
         stats["preemptions_total"] = self._snapshot["num_preemptions"]
         stats["load"] = self.load()
         return stats

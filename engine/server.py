@@ -242,8 +242,9 @@ async def stats(request: web.Request) -> web.Response:
     if window == 0:
         raise ApiError(400, "'window' must be > 0 seconds", param="window")
     engine = request.app[ENGINE_KEY]
-    return web.json_response(engine.stats_window(
-        window, _query_seconds(request, "slo_ttft", None), _query_seconds(request, "slo_itl", None)))
+    slos = {name: _query_seconds(request, name, None)
+            for name in ("slo_ttft", "slo_tpot", "slo_itl")}  # TTFT, TPOT per request; ITL per gap
+    return web.json_response(engine.stats_window(window, **slos))
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -102,8 +102,10 @@ class StatsRecorder:
         return records, rejections
 
     def window(self, now: float, window_s: float, slo_ttft: float | None = None,
-               slo_itl: float | None = None) -> dict[str, Any]:
-        """Latency percentiles, throughput and goodput over requests finished in the window."""
+               slo_tpot: float | None = None, slo_itl: float | None = None) -> dict[str, Any]:
+        """Latency percentiles, throughput, goodput (requests within `slo_ttft` and `slo_tpot`)
+        and ITL attainment (gaps within `slo_itl`, pooled) over the successful requests
+        finished in the window."""
         records, rejections = self.recent(now, window_s)
         done = [r for r in records if r.finish_reason in SUCCESS_REASONS]
         elapsed = max(min(window_s, now - self.start_time), 1e-9)
@@ -119,7 +121,8 @@ class StatsRecorder:
             "requests": {"finished": len(records), "by_reason": reasons},
             **latency_summaries(done),
             "throughput": throughput(done, elapsed),
-            "goodput": goodput(done, elapsed, slo_ttft, slo_itl),
+            "goodput": goodput(done, elapsed, slo_ttft, slo_tpot),
+            "itl_attainment": itl_attainment(done, slo_itl),
             "preemptions": sum(r.num_preemptions for r in records),
             "rejections": {"total": len(rejections), "by_reason": rejected},
         }
@@ -144,6 +147,19 @@ def throughput(records: list[RequestRecord], elapsed: float) -> dict[str, float]
 
 
 def goodput(records: list[RequestRecord], elapsed: float, slo_ttft: float | None,
-            slo_itl: float | None) -> dict[str, Any]:
-    good = measures.goodput([r.timing for r in records], elapsed, measures.SLO(slo_ttft, slo_itl))
-    return {"slo_ttft": slo_ttft, "slo_itl": slo_itl, **asdict(good)}
+            slo_tpot: float | None) -> dict[str, Any]:
+    slo = measures.SLO(ttft_s=slo_ttft, tpot_s=slo_tpot)
+    good = measures.goodput([r.timing for r in records], elapsed, slo)
+    return {"slo_ttft": slo_ttft, "slo_tpot": slo_tpot, **asdict(good)}
+
+
+def itl_attainment(records: list[RequestRecord], slo_itl: float | None) -> dict[str, Any]:
+    """The gaps between tokens of `records`, pooled, and how many were within `slo_itl`
+    (every one when it is None): "p99 ITL <= slo_itl" holds when fraction >= 0.99."""
+    slo = measures.SLO(itl_s=slo_itl)
+    met = gaps = 0
+    for r in records:
+        m, n = r.timing.gaps_within(slo)
+        met, gaps = met + m, gaps + n
+    return {"slo_itl": slo_itl, "gaps": gaps, "met": met,
+            "fraction": measures.attainment(met, gaps)["fraction"]}

@@ -75,10 +75,11 @@ class ServedWindow:
 
 
 def _met(s: Served) -> bool | None:
-    """Whether the request met its tenant's SLO; None for a tenant without one."""
-    if s.slo.ttft_s is None and s.slo.itl_s is None:
+    """Whether the request met its tenant's per-request targets (TTFT and TPOT: goodput);
+    None for a tenant without either. ITL, pooled over gaps, is judged by `side`'s p99."""
+    if s.slo.ttft_s is None and s.slo.tpot_s is None:
         return None
-    return s.timing.meets_ttft(s.slo) and s.timing.meets_tpot(s.slo)
+    return s.timing.meets(s.slo)
 
 
 def _p99(values: list[float]) -> float | None:
@@ -87,7 +88,8 @@ def _p99(values: list[float]) -> float | None:
 
 def side(served: Sequence[Served]) -> dict[str, Any]:
     """One side's figures: requests, errors, SLO attainment (overall and per tenant) with its
-    burn rate, p99 TTFT and p99 ITL (each request's TPOT, the SLO module's ITL)."""
+    burn rate, p99 TTFT and TPOT (over requests), p99 ITL (over every gap of them) and the
+    share of gaps within their tenants' ITL targets."""
     checked = [(s, m) for s in served if (m := _met(s)) is not None]
     met = sum(m for _, m in checked)
     target = min((s.slo.target for s, _ in checked), default=0.99)
@@ -104,8 +106,21 @@ def side(served: Sequence[Served]) -> dict[str, Any]:
                         for t, (a, n) in sorted(tenants.items())},
             "ttft_p99_s": _p99([t for s in served if (t := s.timing.ttft) is not None
                                 and s.timing.ok]),
-            "itl_p99_s": _p99([t for s in served if (t := s.timing.tpot) is not None
-                               and s.timing.ok])}
+            "tpot_p99_s": _p99([t for s in served if (t := s.timing.tpot) is not None
+                                and s.timing.ok]),
+            "itl_p99_s": _p99([gap for s in served if s.timing.ok for gap in s.timing.itls]),
+            "itl_attainment": _gap_attainment(served, target)}
+
+
+def _gap_attainment(served: Sequence[Served], target: float) -> float | None:
+    """The share of the gaps of requests whose tenant sets an ITL target that were within it
+    (protocol.measures' pooled ITL); None without such gaps."""
+    met = gaps = 0
+    for s in served:
+        if s.slo.itl_s is not None:
+            m, n = s.timing.gaps_within(s.slo)
+            met, gaps = met + m, gaps + n
+    return attainment(met, gaps, target)["fraction"]
 
 
 def _difference(a: Sequence[bool], b: Sequence[bool], seed: int) -> dict[str, Any]:

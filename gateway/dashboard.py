@@ -7,10 +7,10 @@ logged-in browser change anything. Everything the page needs is in the one HTML 
 (styles, script, plots drawn as inline SVG): no CDN, nothing from the internet.
 
 SLO semantics are protocol.measures': a tenant's "p99 TTFT <= X" means at least 99% of its
-requests over the period had TTFT <= X (a failed or refused request misses); the error budget is
-the 1% allowed to miss; the burn rate is the miss fraction over the budget fraction. ITL is each
-request's TPOT, as everywhere in fairgate. The counts come from the usage ledger's per-minute
-rollups (tenants/slo_views.py).
+requests over the period had TTFT <= X (a failed or refused request misses), the same for TPOT;
+"p99 ITL <= X" means at least 99% of all its gaps between two tokens were <= X. The error budget
+is the 1% allowed to miss; the burn rate is the miss fraction over the budget fraction. The
+counts come from the usage ledger's per-minute rollups (tenants/slo_views.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from gateway.admin import _database, _path_tenant, query_float
 from gateway.auth import SESSION_COOKIE, SESSION_TTL_S, bearer
 from gateway.state import AUTH, GATEWAY, JOBS, METRICS, STORE
 from protocol.errors import ApiError
+from tenants import TenantInfo
 from tenants.slo_views import hour_p99s, period_counts, tenant_series, tenant_slo
 
 log = logging.getLogger("fairgate.gateway")
@@ -146,6 +147,16 @@ async def logout(request: web.Request) -> web.Response:
 
 
 # ---- the JSON behind it ----------------------------------------------------------------------------
+NO_P99S: dict[str, float | None] = {"ttft": None, "tpot": None}  # a tenant quiet for an hour
+
+
+def slo_targets(info: TenantInfo) -> dict[str, float | None]:
+    """The tenant's targets as the page reads them: p99 TTFT and TPOT per request, p99 ITL per
+    gap."""
+    return {"ttft_p99_s": info.slo_ttft_p99_s, "tpot_p99_s": info.slo_tpot_p99_s,
+            "itl_p99_s": info.slo_itl_p99_s}
+
+
 def _rejection_reasons(request: web.Request) -> dict[str, dict[str, float]]:
     """tenant -> reason -> rejections since the gateway started (the metrics' counter)."""
     out: dict[str, dict[str, float]] = {}
@@ -175,20 +186,21 @@ async def slo_tenants(request: web.Request) -> web.Response:
         five = c.get("5m", {})
         rows.append({
             "name": info.name, "enabled": info.enabled, "weight": info.weight,
-            "slo": {"ttft_p99_s": info.slo_ttft_p99_s, "itl_p99_s": info.slo_itl_p99_s},
+            "slo": slo_targets(info),
             "requests_per_s": five.get("requests", 0) / 300.0,
             "requests_1h": c.get("1h", {}).get("requests", 0),
             "rejected_1h": c.get("1h", {}).get("rejected", 0),
             "failed_1h": c.get("1h", {}).get("failed", 0),
             "rejections_since_start": reasons.get(info.name, {}),
-            "p99_1h": p99s.get(info.name, {"ttft": None, "itl": None}),
+            "p99_1h": p99s.get(info.name, NO_P99S),
             "queue": queues.get(info.name) if isinstance(queues, dict) else None,
             **tenant_slo(c)})
     return web.json_response({"generated_at": now, "target": 0.99, "tenants": rows,
-                              "note": "attainment: the share of requests that met every "
-                                      "target the tenant set (a failed or refused request "
-                                      "misses); ITL is each request's TPOT; burn rate: the "
-                                      "miss share over the 1% budget"})
+                              "note": "attainment: the share of requests that met the TTFT "
+                                      "and TPOT targets the tenant set (a failed or refused "
+                                      "request misses); ITL: the share of all gaps between "
+                                      "tokens within its target; burn rate: the miss share "
+                                      "over the 1% budget"})
 
 
 async def slo_tenant(request: web.Request) -> web.Response:
@@ -208,11 +220,10 @@ async def slo_tenant(request: web.Request) -> web.Response:
             raise ApiError(404, f"no tenant named {name!r}", code="tenant_not_found")
         counts = (await period_counts(db, now)).get(name, {})
         series = await tenant_series(db, name, now, int(hours * 60))
-        p99s = (await hour_p99s(db, now)).get(name, {"ttft": None, "itl": None})
+        p99s = (await hour_p99s(db, now)).get(name, NO_P99S)
     queues = request.app[GATEWAY].queue.snapshot()
     limits = dataclasses.asdict(info.limits)
-    return web.json_response({"name": name, "slo": {"ttft_p99_s": info.slo_ttft_p99_s,
-                                                    "itl_p99_s": info.slo_itl_p99_s},
+    return web.json_response({"name": name, "slo": slo_targets(info),
                               "limits": limits, "queue": queues.get(name) if isinstance(
                                   queues, dict) else None, "p99_1h": p99s,
                               "hours": hours, "series": series, **tenant_slo(counts)})

@@ -26,7 +26,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,8 +54,10 @@ DEFAULT_CANARY_WINDOW_S = 60.0
 DEFAULT_MIN_REQUESTS = 20
 DRAIN_TIMEOUT_S = 120.0  # a draining replica's streams get this long before it is reconfigured
 JOB_FILES = ("report.html", "report.md", "best.yaml", "trials.csv", "recheck.csv", "worker.log")
+SLO_FLAGS = {"slo_ttft_p99_s": "--slo-ttft-p99", "slo_tpot_p99_s": "--slo-tpot-p99",
+             "slo_itl_p99_s": "--slo-itl-p99"}  # `fairgate tune`'s, per spec field
 _SPEC_FIELDS = {"mode", "workload", "captured_minutes", "rate", "duration", "set", "space",
-                "slo_ttft_p99_s", "slo_itl_p99_s", "objective", "trials", "timeout_s", "target",
+                "slo_ttft_p99_s", "slo_tpot_p99_s", "slo_itl_p99_s", "objective", "trials", "timeout_s", "target",
                 "shadow", "shadow_requests", "shadow_window_s", "recheck", "seed", "heartbeat_s",
                 "baseline", "robustness"}
 
@@ -97,11 +99,11 @@ def _number(fields: dict[str, Any], name: str, *, low: float = 0.0, integer: boo
     return fields[name]
 
 
-def parse_spec(body: Any, shadows: dict[str, str], default_slos: tuple[float | None,
-                                                                       float | None]) -> JobSpec:
+def parse_spec(body: Any, shadows: dict[str, str],
+               default_slos: Mapping[str, float]) -> JobSpec:
     """A job spec from a POST body; ApiError 400 naming the field that is wrong. `shadows`:
     the gateway's shadow targets (name -> engine URL); `default_slos`: the strictest tenant
-    SLOs, used when the spec gives none."""
+    SLOs by field name, used where the spec gives none."""
     from tuner.space import parse_space
     from tuner.workload import WORKLOADS
 
@@ -139,15 +141,7 @@ def parse_spec(body: Any, shadows: dict[str, str], default_slos: tuple[float | N
     _number(fields, "captured_minutes", high=7 * 24 * 60)
     _number(fields, "rate")
     _number(fields, "duration", high=86400)
-    for name in ("slo_ttft_p99_s", "slo_itl_p99_s"):
-        _number(fields, name, high=3600)
-    ttft = fields.get("slo_ttft_p99_s", default_slos[0])
-    itl = fields.get("slo_itl_p99_s", default_slos[1])
-    if ttft is None or itl is None:
-        missing = "slo_ttft_p99_s" if ttft is None else "slo_itl_p99_s"
-        raise bad_request(f"{missing} is needed: no enabled tenant sets that SLO to default to",
-                          missing)
-    fields["slo_ttft_p99_s"], fields["slo_itl_p99_s"] = float(ttft), float(itl)
+    _slos(fields, default_slos)
     trials = _number(fields, "trials", low=0.5, high=MAX_TRIALS, integer=True)
     timeout_s = _number(fields, "timeout_s", high=30 * 86400)
     if trials is not None and timeout_s is not None:
@@ -193,6 +187,21 @@ def parse_spec(body: Any, shadows: dict[str, str], default_slos: tuple[float | N
     return JobSpec(fields, mode, target, trials, timeout_s)
 
 
+def _slos(fields: dict[str, Any], default_slos: Mapping[str, float]) -> None:
+    """The p99 targets (protocol.measures.SLO): TTFT and TPOT per request are needed, ITL per
+    gap is optional; each defaults to the strictest an enabled tenant sets."""
+    for name in SLO_FLAGS:
+        value = _number(fields, name, high=3600)
+        if value is None:
+            fields.pop(name, None)  # an explicit null: the default, as for an absent one
+            value = default_slos.get(name)
+        if value is None and name != "slo_itl_p99_s":
+            raise bad_request(f"{name} is needed: no enabled tenant sets that SLO to default "
+                              "to", name)
+        if value is not None:
+            fields[name] = float(value)
+
+
 def worker_argv(job: JobRecord, gateway_url: str | None, trace: Path | None) -> list[str]:
     """`fairgate tune` arguments for the job; the study's storage (a database URL, perhaps with
     a password) and the admin key travel in the environment, never on a command line."""
@@ -200,7 +209,8 @@ def worker_argv(job: JobRecord, gateway_url: str | None, trace: Path | None) -> 
     out = Path(job.out_dir)
     argv = ["tune", "--mode", f["mode"], "--study", job.study,
             "--out", str(out), "--objective", f["objective"],
-            "--slo-ttft-p99", repr(f["slo_ttft_p99_s"]), "--slo-itl-p99", repr(f["slo_itl_p99_s"])]
+            *[arg for name, flag in SLO_FLAGS.items() if f.get(name) is not None
+              for arg in (flag, repr(f[name]))]]
     for knob, value in (f.get("set") or {}).items():
         argv += ["--set", f"{knob}={_scalar(value)}"]
     if f.get("space") is not None:

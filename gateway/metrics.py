@@ -49,17 +49,29 @@ class GatewayMetrics:
         self.ttft = Histogram("fairgate_gateway_ttft_seconds", "Time to first token (arrival to "
                               "first token sent)", ["tenant"], buckets=LATENCY_BUCKETS,
                               registry=r)
-        self.itl = Histogram("fairgate_gateway_itl_seconds", "Gap between streamed tokens",
+        self.tpot = Histogram("fairgate_gateway_tpot_seconds", "Time per output token of each "
+                              "stream: (last token - first token) / (tokens - 1)", ["tenant"],
+                              buckets=ITL_BUCKETS, registry=r)
+        self.itl = Histogram("fairgate_gateway_itl_seconds", "Every gap between streamed tokens",
                              ["tenant"], buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("fairgate_gateway_e2e_seconds", "Arrival to last byte", ["tenant"],
                              buckets=LATENCY_BUCKETS, registry=r)
         self.tokens = Counter("fairgate_gateway_tokens_total", "Tokens by direction (in: prompt, "
                               "out: completion)", ["tenant", "direction"], registry=r)
+        # Requests and gaps are counted apart: a gap rate is some hundred times a request
+        # rate, and a series named for requests should count nothing else.
         self.slo_checked = Counter("fairgate_gateway_slo_requests_total",
-                                   "Requests checked against the tenant's SLO targets",
-                                   ["tenant", "slo", "met"], registry=r)
+                                   "Requests checked against the tenant's per-request SLO "
+                                   "targets (slo: ttft, tpot)", ["tenant", "slo", "met"],
+                                   registry=r)
+        self.slo_gaps = Counter("fairgate_gateway_slo_gaps_total",
+                                "Gaps between streamed tokens checked against the tenant's ITL "
+                                "target, pooled over requests (a failed or turned-away request: "
+                                "each gap it had and one more, missed)", ["tenant", "met"],
+                                registry=r)
         self.slo_attainment = Gauge("fairgate_gateway_slo_attainment",
-                                    "Share of requests that met the SLO since start",
+                                    "Share of requests (slo: ttft, tpot) or of gaps (slo: itl) "
+                                    "that met the tenant's target since start",
                                     ["tenant", "slo"], registry=r)
         self.inflight = Gauge("fairgate_gateway_backend_inflight",
                               "Requests dispatched to a backend and unfinished", ["backend"],
@@ -112,25 +124,42 @@ class GatewayMetrics:
         return found
 
     def observe_stream(self, tenant: str, timing: RequestTiming, slo: SLO) -> None:
-        """One streamed request: its TTFT and ITL gaps when it succeeded (as the engine's and the
+        """One streamed request: its TTFT, TPOT and ITL gaps when it succeeded (as the engine's and the
         benchmark's latencies are), and a check against each target the tenant has set, which a
-        failed or turned-away request misses."""
+        failed or turned-away request misses: TTFT and TPOT once per request, ITL per gap."""
         ttft = timing.ttft
         if timing.ok and ttft is not None:
             self.child("ttft", tenant).observe(ttft)
+            tpot = timing.tpot
+            if tpot is not None:
+                self.child("tpot", tenant).observe(tpot)
             itl = self.child("itl", tenant)
             for gap in timing.itls:
                 itl.observe(gap)
         if slo.ttft_s is not None:
             self.observe_slo(tenant, "ttft", timing.meets_ttft(slo), slo.target)
+        if slo.tpot_s is not None:
+            self.observe_slo(tenant, "tpot", timing.meets_tpot(slo), slo.target)
         if slo.itl_s is not None:
-            self.observe_slo(tenant, "itl", timing.meets_tpot(slo), slo.target)
+            self.observe_gaps(tenant, *timing.gaps_within(slo), slo.target)
 
     def observe_slo(self, tenant: str, slo: str, met: bool, target: float) -> None:
+        """One request checked against its tenant's `slo` target ("ttft" or "tpot")."""
         self.child("slo_checked", tenant, slo, "true" if met else "false").inc()
+        self._attain(tenant, slo, int(met), 1, target)
+
+    def observe_gaps(self, tenant: str, met: int, gaps: int, target: float) -> None:
+        """One request's gaps checked against its tenant's ITL target: `met` of `gaps`."""
+        if met:
+            self.child("slo_gaps", tenant, "true").inc(met)
+        if gaps - met:
+            self.child("slo_gaps", tenant, "false").inc(gaps - met)
+        self._attain(tenant, "itl", met, gaps, target)
+
+    def _attain(self, tenant: str, slo: str, met: int, checked: int, target: float) -> None:
         counts = self._slo_counts.setdefault((tenant, slo), [0, 0])
         counts[0] += met
-        counts[1] += 1
+        counts[1] += checked
         fraction = attainment(counts[0], counts[1], target)["fraction"]
         if fraction is not None:
             self.child("slo_attainment", tenant, slo).set(fraction)

@@ -131,9 +131,11 @@ GATEWAY_SCHEMAS: dict[str, Schema] = {
                       queued=COUNT, sent=COUNT, dropped=COUNT, failed=COUNT, pairs=COUNT),
     "ShadowList": _object(shadows={"type": "array", "items": {"$ref": "#/components/schemas/Shadow"}}),
     "ShadowStats": {"type": "object", "description": "The pairs completed in the window: "
-                    "live and shadow percentiles (ttft, itl = each request's TPOT, e2e), SLO "
-                    "attainment per tenant, shadow/live ratios, p99 differences with a 95% "
-                    "bootstrap interval.",
+                    "live and shadow percentiles (ttft, tpot and e2e per request; itl over "
+                    "every gap), SLO attainment per tenant (slo_attainment: requests within "
+                    "their TTFT and TPOT targets; itl_attainment: gaps within the ITL target), "
+                    "shadow/live ratios and p99 differences with a 95% bootstrap interval "
+                    "(ttft, tpot, e2e).",
                     "properties": {"name": STRING, "window_s": {"type": "number"},
                                    "pairs": COUNT, "mirrored_rate_rps": {"type": "number"},
                                    "note": STRING, "live": {"type": "object"},
@@ -143,7 +145,8 @@ GATEWAY_SCHEMAS: dict[str, Schema] = {
     "TuneJobSpec": {
         "type": "object", "required": ["mode"], "additionalProperties": False,
         "description": "The fields of `fairgate tune` (README: Tuning). SLOs default to the "
-                       "strictest an enabled tenant sets; trials to 20.",
+                       "strictest an enabled tenant sets (TTFT and TPOT are needed, ITL is "
+                       "optional); trials to 20.",
         "properties": {
             "mode": {"enum": list(MODES)}, "objective": {"enum": list(OBJECTIVES)},
             "workload": STRING,
@@ -154,8 +157,13 @@ GATEWAY_SCHEMAS: dict[str, Schema] = {
             "set": {"type": "object", "description": "Base engine knobs."},
             "space": {"type": "object", "description": "{knob: {low, high, log?, step?} | "
                                                        "{choices: [...]}}"},
-            "slo_ttft_p99_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
-            "slo_itl_p99_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
+            "slo_ttft_p99_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600,
+                               "description": "p99 of each request's time to first token."},
+            "slo_tpot_p99_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600,
+                               "description": "p99 of each request's time per output token."},
+            "slo_itl_p99_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600,
+                              "description": "p99 of every gap between two tokens, pooled "
+                                             "(optional)."},
             "trials": {"type": "integer", "minimum": 1, "maximum": MAX_TRIALS},
             "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 2592000},
             "target": {**STRING, "description": "replay: the fairgate engine's URL."},
@@ -194,9 +202,14 @@ GATEWAY_SCHEMAS: dict[str, Schema] = {
                             "steps": {"type": "array"}}},
     "SloTenants": _object(generated_at={"type": "number"}, target={"type": "number"},
                           tenants={"type": "array", "items": {"type": "object"}}, note=STRING),
-    "SloTenant": {"type": "object", "required": ["name", "series", "state"],
-                  "properties": {"name": STRING, "series": {"type": "array"},
-                                 "state": STRING}},
+    "SloTenant": {"type": "object", "required": ["name", "slo", "series", "state"],
+                  "properties": {"name": STRING, "slo": {"$ref": "#/components/schemas/SloTargets"},
+                                 "series": {"type": "array"}, "state": STRING}},
+    "SloTargets": {"type": "object", "required": ["ttft_p99_s", "tpot_p99_s", "itl_p99_s"],
+                   "description": "A tenant's p99 targets: TTFT and TPOT per request, ITL per "
+                                  "gap between two tokens pooled over requests (null: none).",
+                   "properties": {name: nullable({"type": "number"}) for name in (
+                       "ttft_p99_s", "tpot_p99_s", "itl_p99_s")}},
     "Engines": _object(generated_at={"type": "number"}, engines={"type": "array"},
                        jobs_running=COUNT),
     "Deleted": _object(deleted=STRING),
@@ -362,8 +375,9 @@ ROUTES = (
           parameters=(_JOB, {"name": "name", "in": "path", "required": True,
                              "schema": {"enum": list(JOB_FILES)}})),
     Route("get", "/admin/slo/tenants", "Every tenant's latency against its SLO: attainment "
-          "over 1 h, 24 h and 30 days, the 30-day error budget left, burn rates over 1 h and "
-          "6 h, its state (ok, at_risk, breaching, no_data).",
+          "over 1 h, 24 h and 30 days (of requests: TTFT and TPOT, together and each; of gaps: "
+          "ITL), the 30-day error budget left, burn rates over 1 h and 6 h (requests', and "
+          "gaps' as itl_*), its state (ok, at_risk, breaching, no_data: the worse of the two).",
           {200: _json("SloTenants", "The tenants.")}, (401, 404, 503), "adminKey"),
     Route("get", "/admin/slo/tenants/{name}", "One tenant's SLO figures, limits, queue and "
           "series minute by minute.", {200: _json("SloTenant", "The tenant.")},

@@ -37,9 +37,16 @@ from gateway.metrics import GatewayMetrics
 from gateway.shadow import ShadowSet
 from gateway.shared_fair import SharedFairState
 from protocol.errors import ApiError, bad_request
-from protocol.measures import SLO, RequestTiming
+from protocol.measures import RequestTiming
 from protocol.openai import OpenAIRequest, prompt_text, resolve_max_tokens
-from tenants import LedgerFullError, Principal, TenantInfo, UsageEvent, UsageLedger
+from tenants import (
+    LedgerFullError,
+    Principal,
+    TenantInfo,
+    UsageEvent,
+    UsageLedger,
+    slo_outcomes,
+)
 
 log = logging.getLogger("fairgate.gateway")
 _ids = itertools.count()
@@ -141,7 +148,7 @@ class Gateway:
             raise ApiError(429, str(exc), code=exc.reason, retry_after=exc.retry_after) from None
         if self.shadows:  # admitted: a copy may go to the shadow targets (never waited on)
             self.shadows.offer(job.request_id, req.body, req.endpoint, tenant.name, priority,
-                               SLO(tenant.slo_ttft_p99_s, tenant.slo_itl_p99_s))
+                               tenant.slo)
         return adm, future
 
     def _affinity(self, tenant: TenantInfo, req: OpenAIRequest) -> tuple[int, ...]:
@@ -247,8 +254,7 @@ class Gateway:
         timing = adm.timing(status)
         if adm.backend is not None:
             tenant = adm.tenant
-            self.served.record(adm.backend.name, tenant.name,
-                               SLO(tenant.slo_ttft_p99_s, tenant.slo_itl_p99_s), timing)
+            self.served.record(adm.backend.name, tenant.name, tenant.slo, timing)
         if self.shadows:
             self.shadows.live_done(adm.job.request_id, timing)
         if self.capture is not None and status == 200:
@@ -271,28 +277,25 @@ class Gateway:
             m.child("tokens", name, "in").inc(out.prompt_tokens)
             m.child("tokens", name, "out").inc(out.completion_tokens)
         if adm.job.req.stream:  # only a stream has a first token to time
-            m.observe_stream(name, timing, SLO(adm.tenant.slo_ttft_p99_s, adm.tenant.slo_itl_p99_s))
+            m.observe_stream(name, timing, adm.tenant.slo)
 
     def _record(self, adm: Admission, status: int, timing: RequestTiming) -> None:
         out = adm.outcome
         queue_time = (adm.dispatched_at or timing.end) - adm.arrival
         ran = adm.backend is not None
         tenant = adm.tenant
-        slo = SLO(tenant.slo_ttft_p99_s, tenant.slo_itl_p99_s)
         # against the tenant's targets: the service's failures (429, 5xx) miss; a client's
         # mistake (another 4xx) and a non-streamed answer (no first token or gaps to time) are
         # not counted either way
         counted = (status == 200 and adm.job.req.stream) or status == 429 or status >= 500
-        ttft_ok = timing.meets_ttft(slo) if counted and slo.ttft_s is not None else None
-        itl_ok = timing.meets_tpot(slo) if counted and slo.itl_s is not None else None
         event = UsageEvent(tenant=tenant.name, key_id=adm.principal.key_id,
                            model=adm.job.req.model or "", priority=adm.job.priority,
                            prompt_tokens=out.prompt_tokens if ran else 0,
                            completion_tokens=out.completion_tokens if ran else 0,
                            status=status, queue_time=queue_time, ttft=timing.ttft,
                            e2e=timing.e2e, created_at=adm.created_at, tpot=timing.tpot,
-                           slo_ttft=ttft_ok, slo_itl=itl_ok,
-                           backend=adm.backend.name if adm.backend is not None else None)
+                           backend=adm.backend.name if adm.backend is not None else None,
+                           **(slo_outcomes(tenant.slo, timing) if counted else {}))
         if self.config.log_requests:  # tenant, status and timings only: never keys or bodies
             log.info("tenant=%s status=%d prompt=%d completion=%d queue=%.3fs e2e=%.3fs",
                      event.tenant, status, event.prompt_tokens, event.completion_tokens,
@@ -312,12 +315,12 @@ class Gateway:
         tenant = principal.tenant
         # turned away by the service (429, 503): a miss of every target the tenant set; a
         # client's mistake (400, 403, 404) is not counted
-        missed = False if status in (429, 503) else None
+        turned_away = RequestTiming(0.0, (), 0, 0.0, ok=False)
         event = UsageEvent(tenant=name, key_id=principal.key_id,
                            model=(req.model or "") if req else "", priority=(req and req.priority)
                            or principal.tenant.default_priority, prompt_tokens=0,
                            completion_tokens=0, status=status,
-                           slo_ttft=missed if tenant.slo_ttft_p99_s is not None else None,
-                           slo_itl=missed if tenant.slo_itl_p99_s is not None else None)
+                           **(slo_outcomes(tenant.slo, turned_away) if status in (429, 503)
+                              else {}))
         with contextlib.suppress(LedgerFullError, RuntimeError):
             self.ledger.record(event)

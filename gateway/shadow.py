@@ -14,9 +14,10 @@ Every copy is sent streaming (with usage), whatever the live request asked, and 
 its TTFT (from the copy's send) and every token's time are measured, then the answer is thrown
 away. The live side's timing is the gateway's own (from arrival; TTFT and gaps only for live
 streams). A pair is complete once both sides ended; `stats` summarises the pairs completed in a
-window: both sides' percentiles, each side's SLO attainment per tenant (protocol.measures: ITL is
-each request's TPOT), the per-request shadow/live ratios, and a bootstrap interval for the
-difference of the p99s.
+window: both sides' percentiles (TTFT and TPOT over requests, ITL over every gap), each side's
+SLO attainment per tenant (protocol.measures: TTFT and TPOT per request; ITL per gap, apart),
+the per-request shadow/live ratios, and a bootstrap interval for the difference of the p99s of
+the per-request measures.
 """
 
 from __future__ import annotations
@@ -194,17 +195,20 @@ def samples(pairs: Sequence[Pair]) -> dict[str, Any]:
 
 
 def paired_stats(pairs: Sequence[Pair], seed: int = 0) -> dict[str, Any]:
-    """Both sides of `pairs`: percentiles, SLO attainment per tenant, the per-request ratios
-    (shadow / live) and the difference of the p99s (shadow - live) with a 95% interval."""
+    """Both sides of `pairs`: percentiles, SLO attainment per tenant (requests, and gaps for
+    ITL), the per-request ratios (shadow / live) and the difference of the p99s (shadow - live)
+    with a 95% interval."""
     sides = {"live": [p.live for p in pairs], "shadow": [p.shadow for p in pairs]}
     out: dict[str, Any] = {}
     for side, timings in sides.items():
         done = [t for t in timings if t is not None and t.ok]
         out[side] = {"ok": len(done), "failed": len(timings) - len(done),
                      "ttft": summarize(t.ttft for t in done if t.ttft is not None),
-                     "itl": summarize(v for t in done if (v := t.tpot) is not None),
+                     "tpot": summarize(v for t in done if (v := t.tpot) is not None),
+                     "itl": summarize(gap for t in done for gap in t.itls),
                      "e2e": summarize(t.e2e for t in done),
-                     "slo_attainment": _attainment(pairs, side)}
+                     "slo_attainment": _attainment(pairs, side),
+                     "itl_attainment": _gap_attainment(pairs, side)}
     out["ratio"] = {name: _ratios(pairs, measure) for name, measure in MEASURES.items()}
     out["p99_difference"] = {name: _p99_difference(pairs, measure, seed)
                              for name, measure in MEASURES.items()}
@@ -216,7 +220,7 @@ def _ttft(t: RequestTiming) -> float | None:
     return t.ttft if t.ok else None
 
 
-def _itl(t: RequestTiming) -> float | None:
+def _tpot(t: RequestTiming) -> float | None:
     return t.tpot if t.ok else None
 
 
@@ -224,8 +228,9 @@ def _e2e(t: RequestTiming) -> float | None:
     return t.e2e if t.ok else None
 
 
+# per request, to pair (the pooled ITL has no value per request)
 MEASURES: dict[str, Callable[[RequestTiming], float | None]] = {
-    "ttft": _ttft, "itl": _itl, "e2e": _e2e}
+    "ttft": _ttft, "tpot": _tpot, "e2e": _e2e}
 
 
 def _both(pairs: Sequence[Pair],
@@ -281,18 +286,34 @@ def _p99_difference(pairs: Sequence[Pair], measure: Callable[[RequestTiming], fl
 
 
 def _attainment(pairs: Sequence[Pair], side: str) -> dict[str, dict[str, Any]]:
-    """Per tenant: the share of its mirrored requests that met its SLO on this side (a failed
-    request misses; a tenant without SLO targets is left out)."""
+    """Per tenant: the share of its mirrored requests that met its TTFT and TPOT targets on
+    this side (a failed request misses; a tenant without either is left out)."""
     counts: dict[str, list[int]] = {}
     for p in pairs:
         timing = p.live if side == "live" else p.shadow
-        if timing is None or (p.slo.ttft_s is None and p.slo.itl_s is None):
+        if timing is None or (p.slo.ttft_s is None and p.slo.tpot_s is None):
             continue
-        met = timing.meets_ttft(p.slo) and timing.meets_tpot(p.slo)
         entry = counts.setdefault(p.tenant, [0, 0])
-        entry[0] += met
+        entry[0] += timing.meets(p.slo)
         entry[1] += 1
     return {tenant: {"met": met, "requests": total, "fraction": met / total}
+            for tenant, (met, total) in sorted(counts.items())}
+
+
+def _gap_attainment(pairs: Sequence[Pair], side: str) -> dict[str, dict[str, Any]]:
+    """Per tenant with an ITL target: the share of the gaps of its mirrored requests on this
+    side that were within it (protocol.measures: a failed request misses each gap and one
+    more)."""
+    counts: dict[str, list[int]] = {}
+    for p in pairs:
+        timing = p.live if side == "live" else p.shadow
+        if timing is None or p.slo.itl_s is None:
+            continue
+        met, gaps = timing.gaps_within(p.slo)
+        entry = counts.setdefault(p.tenant, [0, 0])
+        entry[0] += met
+        entry[1] += gaps
+    return {tenant: {"met": met, "gaps": total, "fraction": met / total if total else None}
             for tenant, (met, total) in sorted(counts.items())}
 
 

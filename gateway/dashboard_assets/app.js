@@ -20,14 +20,17 @@ function cell(value, field, text, cls) {
 function renderTenants(data) {
   const rows = data.tenants.map((t) => {
     const ttftMiss = t.slo.ttft_p99_s !== null && t.p99_1h.ttft !== null && t.p99_1h.ttft > t.slo.ttft_p99_s;
-    const itlMiss = t.slo.itl_p99_s !== null && t.p99_1h.itl !== null && t.p99_1h.itl > t.slo.itl_p99_s;
+    const tpotMiss = t.slo.tpot_p99_s !== null && t.p99_1h.tpot !== null && t.p99_1h.tpot > t.slo.tpot_p99_s;
+    // ITL is pooled over gaps: the share of the hour's gaps within the target (p99 ITL <= X: 99% of them)
+    const itl = t.itl_attainment["1h"], itlMiss = t.slo.itl_p99_s !== null && itl !== null && itl < t.target;
     const queued = t.queue ? t.queue.queued_requests : "-";
     return `<tr class="tenant ${esc(t.state)}" data-tenant="${esc(t.name)}" data-state="${esc(t.state)}">` +
       `<td>${esc(t.name)}</td><td><span class="state ${esc(t.state)}">${esc(t.state.replace("_", " "))}</span></td>` +
       cell(t.requests_per_s, "requests_per_s", num(t.requests_per_s)) +
       cell(t.rejected_1h, "rejected_1h", t.rejected_1h) +
       cell(t.p99_1h.ttft, "p99_ttft", `${ms(t.p99_1h.ttft)} / ${ms(t.slo.ttft_p99_s)}`, ttftMiss ? "miss" : "") +
-      cell(t.p99_1h.itl, "p99_itl", `${ms(t.p99_1h.itl)} / ${ms(t.slo.itl_p99_s)}`, itlMiss ? "miss" : "") +
+      cell(t.p99_1h.tpot, "p99_tpot", `${ms(t.p99_1h.tpot)} / ${ms(t.slo.tpot_p99_s)}`, tpotMiss ? "miss" : "") +
+      cell(itl, "itl_attainment_1h", `${pct(itl)} \u2264 ${ms(t.slo.itl_p99_s)}`, itlMiss ? "miss" : "") +
       cell(t.attainment["1h"], "attainment_1h", pct(t.attainment["1h"]), t.attainment["1h"] !== null && t.attainment["1h"] < t.target ? "miss" : "") +
       cell(t.attainment["24h"], "attainment_24h", pct(t.attainment["24h"])) +
       cell(t.attainment["30d"], "attainment_30d", pct(t.attainment["30d"])) +
@@ -37,7 +40,7 @@ function renderTenants(data) {
       `<td>${esc(queued)}</td></tr>`;
   });
   document.querySelector("#tenants tbody").innerHTML = rows.join("") ||
-    `<tr><td colspan="13" class="muted">no tenants</td></tr>`;
+    `<tr><td colspan="14" class="muted">no tenants</td></tr>`;
   $("tenants-note").textContent = data.note;
   document.querySelectorAll("tr.tenant").forEach((tr) => tr.addEventListener("click", () => {
     selected = tr.dataset.tenant; location.hash = "tenant=" + encodeURIComponent(selected); refreshDetail();
@@ -71,9 +74,10 @@ async function refreshDetail() {
   plot($("plot-requests"), d.series.map((m) => [m.minute, m.requests]), {bars: true,
        second: d.series.filter((m) => m.rejected).map((m) => [m.minute, m.rejected])});
   plot($("plot-attainment"), d.series.filter((m) => m.slo_checked).map((m) => [m.minute, m.slo_met / m.slo_checked]),
-       {maxY: 1, target: d.target});
+       {maxY: 1, target: d.target, second: d.series.filter((m) => m.itl_gaps).map((m) => [m.minute, m.itl_gaps_met / m.itl_gaps])});
   const limits = Object.entries(d.limits).filter(([, v]) => v !== null).map(([k, v]) => `${k} ${v}`).join(", ");
-  $("detail-limits").textContent = `limits: ${limits || "none"}; SLO: p99 TTFT <= ${ms(d.slo.ttft_p99_s)}, p99 ITL <= ${ms(d.slo.itl_p99_s)}`;
+  $("detail-limits").textContent = `limits: ${limits || "none"}; SLO: p99 TTFT <= ${ms(d.slo.ttft_p99_s)}, p99 TPOT <= ${ms(d.slo.tpot_p99_s)}, ` +
+    `p99 ITL <= ${ms(d.slo.itl_p99_s)} (gaps: budget left ${pct(d.itl_budget_left_30d)}, burn 1h ${num(d.itl_burn_rate["1h"], 1)}x)`;
 }
 
 function renderEngines(data) {

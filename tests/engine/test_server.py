@@ -181,14 +181,20 @@ async def test_load_stats_and_metrics(client: Client) -> None:
     assert {"running", "waiting", "swapped", "kv_usage", "free_blocks", "num_blocks",
             "max_num_batched_tokens", "max_num_seqs"} <= set(load)
     assert load["free_blocks"] == load["num_blocks"] == 256
-    stats = await (await client.get("/stats?window=60&slo_ttft=10&slo_itl=10")).json()
+    stats = await (await client.get("/stats?window=60&slo_ttft=10&slo_tpot=10&slo_itl=10")
+                   ).json()
     assert stats["ttft"]["count"] == 3 and stats["itl"]["count"] == 12
     assert stats["goodput"]["requests"] == 3 and stats["goodput"]["fraction"] == 1.0
+    assert stats["itl_attainment"] == {"slo_itl": 10.0, "gaps": 12, "met": 12, "fraction": 1.0}
+    gaps = await (await client.get("/stats?slo_itl=0")).json()  # per gap: no request's miss
+    assert gaps["goodput"]["requests"] == 3 and gaps["itl_attainment"]["met"] == 0
+    assert (await (await client.get("/stats?slo_tpot=0")).json())["goodput"]["requests"] == 0
     assert stats["throughput"]["output_tokens_per_s"] > 0
     assert {"e2e", "queue_time", "tpot", "preemptions", "rejections"} <= set(stats)
     strict = await (await client.get("/stats?slo_ttft=0")).json()
     assert strict["goodput"]["requests"] == 0
-    for bad in ("window=abc", "window=-1", "window=0", "slo_ttft=nan"):
+    for bad in ("window=abc", "window=-1", "window=0", "slo_ttft=nan", "slo_tpot=-1",
+                "slo_itl=x"):
         resp = await client.get(f"/stats?{bad}")
         assert resp.status == 400 and "error" in await resp.json()
     text = await (await client.get("/metrics")).text()

@@ -75,6 +75,7 @@ async def post_tenant(h: Any, body: Any) -> tuple[int, str]:
         (b'{"name": "a", "limits": {"queue_timeout_s": 1e999}}', "limits.queue_timeout_s",
          "got inf"),
         ({"name": "a", "slo_ttft_p99_s": "1.5"}, "slo_ttft_p99_s", "slo_ttft_p99_s must be"),
+        ({"name": "a", "slo_tpot_p99_s": 0}, "slo_tpot_p99_s", "slo_tpot_p99_s must be > 0"),
         ({"name": "a", "slo_itl_p99_s": -1}, "slo_itl_p99_s", "slo_itl_p99_s must be > 0"),
         ({"name": "a", "enabled": "yes"}, "enabled", "enabled must be true or false"),
         ({"name": "a", "wieght": 2}, "wieght", "did you mean weight"),
@@ -155,6 +156,7 @@ fields = {
     "allowed_priorities": st.lists(st.sampled_from([*PRIORITIES, "urgent"])) | json_values,
     "limits": limits,
     "slo_ttft_p99_s": numbers,
+    "slo_tpot_p99_s": numbers,
     "slo_itl_p99_s": numbers,
     "enabled": st.booleans() | json_values,
 }

@@ -12,18 +12,19 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.canary import Apply, ApplyPlan, Served, ServedWindow, judge
+from gateway.canary import Apply, ApplyPlan, Served, ServedWindow, judge, side
 from protocol.measures import SLO, RequestTiming
 from tests.gateway.helpers import collect, completion, start_gateway
 from tests.support.processes import fairgate_engine
 from tests.support.waiting import wait_until
 
 ADMIN = {"Authorization": "Bearer admin-key-0123456789"}
-TENANT_SLO = {"slo_ttft_p99_s": 0.25, "slo_itl_p99_s": 0.1}
+TENANT_SLO = {"slo_ttft_p99_s": 0.25, "slo_tpot_p99_s": 0.1}
 ENGINE = ("executor=sim", "sim_clock=realtime", "max_model_len=1024")
 
 
@@ -55,7 +56,7 @@ async def _traffic(h: Any, streams: int) -> AsyncIterator[list[int]]:
 async def _job(h: Any, max_num_seqs: int) -> str:
     """A sim job whose space holds one max_num_seqs: its best config is that value."""
     spec = {"mode": "sim", "workload": "uniform", "rate": 2, "duration": 4, "trials": 1,
-            "robustness": 0, "slo_ttft_p99_s": 30, "slo_itl_p99_s": 5,
+            "robustness": 0, "slo_ttft_p99_s": 30, "slo_tpot_p99_s": 5,
             "set": {"max_num_seqs": max_num_seqs},
             "space": {"max_num_seqs": {"choices": [max_num_seqs]}}}
     resp = await h.client.post("/admin/tune-jobs", json=spec, headers=ADMIN)
@@ -233,6 +234,26 @@ async def test_one_engine_is_judged_against_its_own_window_before_the_change() -
     verdict = next(s for s in record["steps"] if "verdict" in s)
     assert verdict["figures"]["baseline"]["fraction"] == 1.0
     assert verdict["figures"]["canary"]["fraction"] == 0.5
+
+
+def test_a_sides_figures_keep_tpot_per_request_and_pool_itl_over_gaps() -> None:
+    """Nine steady streams and one with a 1 s stall before its last token: every request is
+    within its TTFT and TPOT targets (the stall hardly moves a TPOT), but one gap in 40 is over
+    the ITL target: the p99 ITL is over the gaps, the p99 TPOT over the requests."""
+    slo = SLO(ttft_s=1.0, tpot_s=0.5, itl_s=0.25)
+    steady = RequestTiming(0.0, (0.5, 0.625, 0.75, 0.875, 1.0), 5, 1.0)  # gaps of 1/8 s
+    stalled = RequestTiming(0.0, (0.5, 0.625, 0.75, 0.875, 1.875), 5, 1.875)
+    served = [Served(float(i), "x", "acme", slo, steady) for i in range(9)]
+    served.append(Served(9.0, "x", "acme", slo, stalled))
+    figures = side(served)
+    assert figures["fraction"] == 1.0 and figures["slo_checked"] == 10
+    assert figures["tpot_p99_s"] == pytest.approx(float(np.percentile([0.125] * 9 + [0.34375],
+                                                                      99)))
+    assert figures["itl_p99_s"] == pytest.approx(float(np.percentile([0.125] * 39 + [1.0], 99)))
+    assert figures["itl_attainment"] == pytest.approx(39 / 40)
+    # ITL alone is no request's criterion: such a tenant has no request attainment
+    gaps_only = side([Served(0.0, "x", "acme", SLO(itl_s=0.01), steady)])
+    assert gaps_only["slo_checked"] == 0 and gaps_only["itl_attainment"] == 0.0
 
 
 def test_judge_says_so_when_a_side_had_no_slo_to_check() -> None:

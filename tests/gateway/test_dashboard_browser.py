@@ -1,7 +1,7 @@
 """The SLO dashboard in a real browser (playwright driving Debian's chromium): `fairgate serve`
 with two tenants whose SLOs differ, one breaching; log in; the page shows both, with the
-attainment and budget figures the usage ledger holds, the breaching one flagged; a screenshot is
-saved."""
+attainment and budget figures the usage ledger holds (requests against TTFT and TPOT, gaps
+against ITL), the breaching one flagged; a screenshot is saved."""
 
 from __future__ import annotations
 
@@ -24,8 +24,11 @@ from tests.support.waiting import poll_until
 
 CHROMIUM = "/usr/bin/chromium"
 ADMIN_KEY = "admin-key-0123456789"
-TENANTS = {"roomy": {"slo_ttft_p99_s": 5.0, "slo_itl_p99_s": 1.0},
-           "strict": {"slo_ttft_p99_s": 0.000001, "slo_itl_p99_s": 1.0}}  # nothing meets 1 us
+TENANTS = {"roomy": {"slo_ttft_p99_s": 5.0, "slo_tpot_p99_s": 1.0, "slo_itl_p99_s": 1.0},
+           # nothing meets 1 us: every request misses its TTFT, every gap (but an instant one)
+           # its ITL
+           "strict": {"slo_ttft_p99_s": 0.000001, "slo_tpot_p99_s": 1.0,
+                      "slo_itl_p99_s": 0.000001}}
 REQUESTS = {"roomy": 12, "strict": 8}
 ARTIFACTS = Path(os.environ.get("FAIRGATE_TEST_ARTIFACTS", ROOT / ".test-artifacts"))
 
@@ -51,15 +54,17 @@ def _admin(url: str, path: str) -> Any:
         return json.loads(resp.read())
 
 
-def _ledger(db: Path, tenant: str) -> tuple[int, int]:
-    """(checked, met) counted from the raw usage rows, by hand: a request is checked when it
-    has an outcome for any target, met when no checked target missed."""
+def _ledger(db: Path, tenant: str) -> tuple[int, int, int, int]:
+    """(checked, met, gaps, gaps met) counted from the raw usage rows, by hand: a request is
+    checked when it has an outcome for a TTFT or TPOT target, met when no checked target
+    missed; gaps are its own counts for the ITL target."""
     with sqlite3.connect(db) as conn:
-        rows = conn.execute("SELECT slo_ttft, slo_itl FROM fg_usage WHERE tenant = ?",
-                            (tenant,)).fetchall()
+        rows = conn.execute("SELECT slo_ttft, slo_tpot, itl_gaps, itl_gaps_met FROM fg_usage "
+                            "WHERE tenant = ?", (tenant,)).fetchall()
     checked = [r for r in rows if r[0] is not None or r[1] is not None]
     met = [r for r in checked if r[0] in (None, 1) and r[1] in (None, 1)]
-    return len(checked), len(met)
+    return (len(checked), len(met), sum(r[2] or 0 for r in rows),
+            sum(r[3] or 0 for r in rows))
 
 
 def test_the_dashboard_shows_each_tenant_against_its_slo(tmp_path: Path) -> None:
@@ -91,18 +96,25 @@ def test_the_dashboard_shows_each_tenant_against_its_slo(tmp_path: Path) -> None
         server.terminate()
         server.wait(timeout=30)
     for tenant in TENANTS:
-        checked, met = _ledger(db, tenant)
-        assert checked == REQUESTS[tenant]
+        checked, met, gaps, gaps_met = _ledger(db, tenant)
+        assert checked == REQUESTS[tenant] and gaps >= REQUESTS[tenant]
         attainment = met / checked
         budget_left = 1 - (checked - met) / (0.01 * checked)
         shown = figures[tenant]
         assert shown["attainment_30d"] == pytest.approx(attainment)
         assert shown["attainment_1h"] == pytest.approx(attainment)
         assert shown["budget_left_30d"] == pytest.approx(budget_left)
+        assert shown["itl_attainment_1h"] == pytest.approx(gaps_met / gaps)
+        assert shown["p99_tpot"] > 0 and shown["text"]["p99_tpot"].endswith("/ 1000.0 ms")
     assert figures["strict"]["state"] == "breaching" and figures["roomy"]["state"] == "ok"
     assert figures["strict"]["burn_1h"] == pytest.approx(100.0)  # every request missed: 1/0.01
     assert figures["strict"]["text"]["attainment_30d"] == "0.00%"
     assert figures["roomy"]["text"]["attainment_30d"] == "100.00%"
+    # ITL is shown as the share of gaps within the target, flagged when under 99%
+    assert figures["roomy"]["text"]["itl_attainment_1h"] == "100.00% \u2264 1000.0 ms"
+    assert figures["roomy"]["classes"]["itl_attainment_1h"] == ""
+    assert figures["strict"]["itl_attainment_1h"] < 0.99
+    assert figures["strict"]["classes"]["itl_attainment_1h"] == "miss"
 
 
 def _browse(url: str, tmp_path: Path) -> dict[str, dict[str, Any]]:
@@ -130,7 +142,9 @@ def _browse(url: str, tmp_path: Path) -> dict[str, dict[str, Any]]:
                     "state": row.get_attribute("data-state"),
                     **{field: float(c.get_attribute("data-value") or "nan")
                        for field, c in cells.items() if field},
-                    "text": {field: c.inner_text() for field, c in cells.items() if field}}
+                    "text": {field: c.inner_text() for field, c in cells.items() if field},
+                    "classes": {field: c.get_attribute("class") or ""
+                                for field, c in cells.items() if field}}
             page.click("tr.tenant[data-tenant='strict']")  # its page: the series plots
             page.wait_for_selector("#plot-requests rect", timeout=10_000)
             ARTIFACTS.mkdir(parents=True, exist_ok=True)

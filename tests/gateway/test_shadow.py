@@ -26,7 +26,7 @@ from tuner.fake_server import make_fake_app
 ADMIN = {"Authorization": "Bearer admin-key-0123456789"}
 REALTIME = EngineConfig(executor="sim", sim_clock="realtime", max_model_len=512,
                         max_num_batched_tokens=512)
-SLOS = {"slo_ttft_p99_s": 0.15, "slo_itl_p99_s": 0.1}
+SLOS = {"slo_ttft_p99_s": 0.15, "slo_tpot_p99_s": 0.1}
 
 
 async def _engine(aiohttp_server: Any, **knobs: Any) -> str:
@@ -216,6 +216,31 @@ def test_paired_difference_interval_covers_the_true_shift() -> None:
     assert stats["ratio"]["e2e"]["p50"] == pytest.approx(0.35 / 0.3)
     assert stats["live"]["slo_attainment"]["acme"]["fraction"] == 1.0
     assert stats["shadow"]["slo_attainment"]["acme"]["fraction"] < 1.0
+
+
+def test_each_side_has_tpot_per_request_and_itl_over_every_gap() -> None:
+    """Live streams evenly (gaps of 1/8 s); the shadow stalls 1 s before one request's last
+    token: the shadow's ITL p99 and gap attainment show it, its TPOT hardly does, and the
+    pooled ITL is no pair measure."""
+    slo = SLO(ttft_s=1.0, tpot_s=0.5, itl_s=0.25)
+    pairs = []
+    for i in range(10):
+        live = RequestTiming(0.0, (0.5, 0.625, 0.75, 0.875, 1.0), 5, 1.0)
+        last = 1.875 if i == 0 else 1.0
+        shadow = RequestTiming(0.0, (0.5, 0.625, 0.75, 0.875, last), 5, last)
+        pairs.append(Pair("acme", slo, live, shadow))
+    stats = paired_stats(pairs)
+    live, shadow = stats["live"], stats["shadow"]
+    assert live["itl"]["count"] == shadow["itl"]["count"] == 40  # gaps, not requests
+    assert live["tpot"]["count"] == 10 and live["tpot"]["p99"] == pytest.approx(0.125)
+    assert live["itl"]["max"] == pytest.approx(0.125) and shadow["itl"]["max"] == pytest.approx(1.0)
+    assert live["itl_attainment"]["acme"] == {"met": 40, "gaps": 40, "fraction": 1.0}
+    assert shadow["itl_attainment"]["acme"]["fraction"] == pytest.approx(39 / 40)
+    # TTFT and TPOT per request: every request of both sides meets them
+    assert live["slo_attainment"]["acme"]["fraction"] == 1.0
+    assert shadow["slo_attainment"]["acme"]["fraction"] == 1.0
+    assert set(stats["p99_difference"]) == set(stats["ratio"]) == {"ttft", "tpot", "e2e"}
+    assert stats["p99_difference"]["tpot"]["shadow_minus_live_s"] > 0
 
 
 @pytest.mark.parametrize(("data", "token"), [

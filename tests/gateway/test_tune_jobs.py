@@ -20,13 +20,16 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from gateway.jobs import parse_spec, worker_argv
+from protocol.errors import ApiError
+from tenants.jobs import JobRecord
 from tests.gateway.helpers import free_port, start_gateway
 from tests.support.processes import ROOT
 from tests.support.waiting import poll_until, wait_until
 
 ADMIN_KEY = "admin-key-0123456789"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-SLOS = {"slo_ttft_p99_s": 0.5, "slo_itl_p99_s": 0.05}
+SLOS = {"slo_ttft_p99_s": 0.5, "slo_tpot_p99_s": 0.05}
 QUICK = {"mode": "sim", "workload": "uniform", "rate": 10, "duration": 4, "trials": 3,
          "robustness": 0, **SLOS}
 TERMINAL = ("succeeded", "failed", "cancelled", "interrupted")
@@ -87,6 +90,9 @@ async def test_a_sim_job_runs_through_the_admin_api_and_serves_its_outputs(
     ({"timeout_s": 60}, "timeout_s"),
     ({"rate": -1}, "rate"),
     ({"slo_ttft_p99_s": "fast"}, "slo_ttft_p99_s"),
+    ({"slo_tpot_p99_s": 0}, "slo_tpot_p99_s"),
+    ({"slo_itl_p99_s": -1}, "slo_itl_p99_s"),
+    ({"slo_tpot_p99_s": None}, "slo_tpot_p99_s"),  # none to default to: no tenant sets one
     ({"set": {"max_num_seqs": -4}}, "set"),
     ({"set": {"no_such_knob": 1}}, "set"),
     ({"space": {"max_num_seqs": {"low": 8}}}, "space"),
@@ -127,13 +133,38 @@ async def test_replay_and_shadow_jobs_need_their_engine(
 async def test_slos_default_to_the_strictest_tenants(
         aiohttp_client: Any, db_url: str, tmp_path: Path) -> None:
     h = await start_gateway(aiohttp_client, db_url, gateway=_jobs_config(tmp_path), tenants={
-        "acme": {"slo_ttft_p99_s": 0.8, "slo_itl_p99_s": 0.04},
-        "globex": {"slo_ttft_p99_s": 0.3}})
+        "acme": {"slo_ttft_p99_s": 0.8, "slo_tpot_p99_s": 0.04, "slo_itl_p99_s": 0.2},
+        "globex": {"slo_ttft_p99_s": 0.3, "slo_itl_p99_s": 0.1}})
     spec = {k: v for k, v in QUICK.items() if not k.startswith("slo_")}
     resp = await h.client.post("/admin/tune-jobs", json=spec, headers=ADMIN)
     assert resp.status == 201
     job = await resp.json()
-    assert (job["spec"]["slo_ttft_p99_s"], job["spec"]["slo_itl_p99_s"]) == (0.3, 0.04)
+    assert {k: v for k, v in job["spec"].items() if k.startswith("slo_")} == {
+        "slo_ttft_p99_s": 0.3, "slo_tpot_p99_s": 0.04, "slo_itl_p99_s": 0.1}
+
+
+def _argv_slos(spec: dict[str, Any], defaults: dict[str, float]) -> list[str]:
+    parsed = parse_spec(spec, {}, defaults)
+    record = JobRecord("job-000000000001", parsed.fields, "queued", None, "s", "/tmp/j", None,
+                       0, None, None, None, 0.0, None, None, 0.0)
+    argv = worker_argv(record, None, None)
+    return [a for i, a in enumerate(argv) if a.startswith("--slo") or
+            argv[i - 1].startswith("--slo")]
+
+
+def test_the_spec_passes_each_slo_to_the_worker_under_its_own_flag() -> None:
+    """TTFT and TPOT per request (needed), ITL per gap (optional): `fairgate tune`'s
+    --slo-ttft-p99, --slo-tpot-p99 and --slo-itl-p99, each from the spec or the strictest
+    tenant's."""
+    assert _argv_slos(QUICK, {}) == ["--slo-ttft-p99", "0.5", "--slo-tpot-p99", "0.05"]
+    assert _argv_slos({**QUICK, "slo_itl_p99_s": 0.2}, {"slo_itl_p99_s": 0.1}) == [
+        "--slo-ttft-p99", "0.5", "--slo-tpot-p99", "0.05", "--slo-itl-p99", "0.2"]
+    bare = {k: v for k, v in QUICK.items() if not k.startswith("slo_")}
+    assert _argv_slos(bare, {"slo_ttft_p99_s": 1.0, "slo_tpot_p99_s": 0.1,
+                             "slo_itl_p99_s": 0.25}) == [
+        "--slo-ttft-p99", "1.0", "--slo-tpot-p99", "0.1", "--slo-itl-p99", "0.25"]
+    with pytest.raises(ApiError, match="slo_tpot_p99_s is needed"):
+        parse_spec({**bare, "slo_ttft_p99_s": 1.0}, {}, {"slo_itl_p99_s": 0.1})
 
 
 async def test_every_jobs_endpoint_wants_the_admin_key(
@@ -272,7 +303,7 @@ def test_a_job_interrupted_by_a_killed_gateway_resumes_without_lost_or_repeated_
         "backends": [{"url": "http://127.0.0.1:9"}], "jobs": {"dir": str(tmp_path / "jobs")}}}))
     # 2,000 requests a trial, all of them run (SLOs no config misses: no early stop)
     spec = {**QUICK, "duration": 200, "trials": 5, "heartbeat_s": 1, "slo_ttft_p99_s": 60,
-            "slo_itl_p99_s": 10}
+            "slo_tpot_p99_s": 10}
     gateway = _serve(config)
     try:
         _poll(lambda: _call(f"{url}/admin/tune-jobs")[0] == 200, 60, "the gateway answers")

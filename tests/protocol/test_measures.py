@@ -36,7 +36,9 @@ SCRIPT = (
 TTFTS = [0.2, 0.1, 0.3]
 ITLS = [0.05, 0.1, 0.05, 0.2, 0.2]
 TPOTS = [0.2 / 3, 0.2]
-TARGETS = SLO(ttft_s=0.25, itl_s=0.07)  # met by the first only; the second is slow per token
+# TTFT and TPOT: met by the first only (the second is slow per token); ITL: 3 of the 5 gaps of
+# the requests that succeeded (the first's), 3 of 7 with the failed one's (its gap and one more)
+TARGETS = SLO(ttft_s=0.25, tpot_s=0.07, itl_s=0.1)
 
 
 def through_engine() -> dict[str, tuple[int, float]]:
@@ -45,8 +47,10 @@ def through_engine() -> dict[str, tuple[int, float]]:
         stats.add(RequestRecord(f"r{i}", "acme", "interactive", "stop" if s.ok else "abort",
                                 s.start, s.end, s.start, s.token_times[0], s.token_times, 5,
                                 len(s.token_times)))
-    out = stats.window(now=10.0, window_s=100.0, slo_ttft=TARGETS.ttft_s, slo_itl=TARGETS.itl_s)
+    out = stats.window(now=10.0, window_s=100.0, slo_ttft=TARGETS.ttft_s,
+                       slo_tpot=TARGETS.tpot_s, slo_itl=TARGETS.itl_s)
     assert out["goodput"]["requests"] == 1
+    assert out["itl_attainment"] == {"slo_itl": 0.1, "gaps": 5, "met": 3, "fraction": 0.6}
     return {m: (out[m]["count"], out[m]["mean"]) for m in ("ttft", "itl", "tpot")}
 
 
@@ -60,7 +64,7 @@ def through_gateway() -> tuple[dict[str, tuple[int, float]], GatewayMetrics]:
         observe_stream(tenant, timing, slo)
 
     metrics.observe_stream = spy  # type: ignore[method-assign]
-    tenant = SimpleNamespace(name="acme", slo_ttft_p99_s=TARGETS.ttft_s, slo_itl_p99_s=TARGETS.itl_s)
+    tenant = SimpleNamespace(name="acme", slo=TARGETS)
     for s in SCRIPT:
         outcome = Outcome(prompt_tokens=5, completion_tokens=len(s.token_times),
                           chunk_times=list(s.token_times))
@@ -92,7 +96,8 @@ def through_report() -> dict[str, tuple[int, float]]:
             i, "acme", None, s.start, start=s.start, status="ok" if s.ok else "stream error",
             prompt_tokens=5, output_tokens=len(times), ttft=times[0] - s.start,
             e2e=s.end - s.start, itl=[b - a for a, b in zip(times, times[1:], strict=False)]))
-    report = Report(results, duration=4.0, slo_ttft=TARGETS.ttft_s, slo_itl=TARGETS.itl_s)
+    report = Report(results, duration=4.0, slo_ttft=TARGETS.ttft_s,
+                    slo_itl=TARGETS.tpot_s)  # the report's TPOT target (tuner/report.py)
     assert report.total.goodput == pytest.approx(1 / 4.0)
     rows = [row for row in report.to_json()["requests"] if row["status"] == "ok"]
     counts = {"ttft": sum(r["ttft_s"] is not None for r in rows),
@@ -114,13 +119,20 @@ def test_one_answer_from_engine_gateway_and_report() -> None:
             assert measured[measure][1] == pytest.approx(mean), (surface, measure)
     # the gateway's SLO counters: TTFT met by the first two; TPOT by the first and the
     # one-token request; the failed one misses both
-    for slo in ("ttft", "itl"):
+    read = metrics.registry.get_sample_value
+    for slo in ("ttft", "tpot"):
         for met, n in (("true", 2), ("false", 2)):
             labels = {"tenant": "acme", "slo": slo, "met": met}
-            assert metrics.registry.get_sample_value(
-                "fairgate_gateway_slo_requests_total", labels) == n
-        assert metrics.registry.get_sample_value(
-            "fairgate_gateway_slo_attainment", {"tenant": "acme", "slo": slo}) == 0.5
+            assert read("fairgate_gateway_slo_requests_total", labels) == n
+        assert read("fairgate_gateway_slo_attainment", {"tenant": "acme", "slo": slo}) == 0.5
+    # ITL, per gap: 3 of the successes' 5 gaps, and the failed one's gap and its end missed
+    assert read("fairgate_gateway_slo_requests_total",
+                {"tenant": "acme", "slo": "itl", "met": "true"}) is None
+    assert read("fairgate_gateway_slo_gaps_total", {"tenant": "acme", "met": "true"}) == 3
+    assert read("fairgate_gateway_slo_gaps_total", {"tenant": "acme", "met": "false"}) == 4
+    assert read("fairgate_gateway_slo_attainment",
+                {"tenant": "acme", "slo": "itl"}) == pytest.approx(3 / 7)
+    assert read("fairgate_gateway_tpot_seconds_count", {"tenant": "acme"}) == len(TPOTS)
 
 
 def test_engine_and_report_percentiles_agree() -> None:
@@ -164,11 +176,36 @@ def test_meets_with_unset_and_set_targets() -> None:
     assert fast.meets(unset) and slow_start.meets(unset) and no_token.meets(unset)
     assert not failed.meets(unset)  # a failed request is a miss, whatever the targets
     assert not slow_start.meets(SLO(ttft_s=1.0))
-    assert slow_start.meets(SLO(itl_s=0.2))  # only the TPOT target is set
+    assert slow_start.meets(SLO(tpot_s=0.2))  # only the TPOT target is set
     assert not no_token.meets(SLO(ttft_s=1.0))  # no first token: misses a TTFT target
-    assert one_token.meets(SLO(itl_s=0.001))  # no TPOT to miss
-    assert not fast.meets(SLO(itl_s=0.05))
-    assert fast.meets(SLO(ttft_s=0.1, itl_s=0.1))  # at the target meets it
+    assert one_token.meets(SLO(tpot_s=0.001))  # no TPOT to miss
+    assert not fast.meets(SLO(tpot_s=0.05))
+    assert fast.meets(SLO(ttft_s=0.1, tpot_s=0.1))  # at the target meets it
+    # ITL is pooled over gaps: never a request's criterion
+    assert fast.meets(SLO(itl_s=0.001)) and fast.meets_tpot(SLO(itl_s=0.001))
+    assert SLO(1.0, 0.1) == SLO(ttft_s=1.0, tpot_s=0.1)  # positional: (TTFT, TPOT, ITL)
+    assert SLO().unset and not SLO(itl_s=0.1).unset and not SLO(tpot_s=0.1).unset
+
+
+def test_gaps_within_counts_a_requests_part_of_the_pooled_itl() -> None:
+    t = RequestTiming(0.0, (0.25, 0.3125, 0.4375, 0.5), 4, 0.5)  # gaps 1/16, 1/8, 1/16: exact
+    assert t.gaps_within(SLO(itl_s=0.0625)) == (2, 3)
+    assert t.gaps_within(SLO(itl_s=0.125)) == (3, 3)  # at the target meets it
+    assert t.gaps_within(SLO(itl_s=0.01)) == (0, 3)
+    assert t.gaps_within(SLO()) == (3, 3)  # no ITL target: every gap is within it
+    assert t.gaps_within(SLO(ttft_s=0.01, tpot_s=0.01, itl_s=1.0)) == (3, 3)  # ITL's alone
+    # several tokens in one chunk: gaps are between the times seen, not per token
+    assert RequestTiming(0.0, (0.1, 0.5), 5, 0.5).gaps_within(SLO(itl_s=0.2)) == (0, 1)
+    assert RequestTiming(0.0, (0.3,), 1, 0.3).gaps_within(SLO(itl_s=0.1)) == (0, 0)
+    # a failed or turned-away request misses every gap it had and one for its missing end
+    failed = RequestTiming(0.0, (0.1, 0.2, 0.3), 3, 0.3, ok=False)
+    assert failed.gaps_within(SLO(itl_s=1.0)) == (0, 3)
+    assert RequestTiming(0.0, (), 0, 0.0, ok=False).gaps_within(SLO(itl_s=1.0)) == (0, 1)
+    # pooled, the p99 rule: 99 of 100 gaps within is "p99 ITL <= X" met, 98 is not
+    stalled = RequestTiming(0.0, (*[0.5 * i for i in range(100)], 51.5), 101, 51.5)
+    met, gaps = stalled.gaps_within(SLO(itl_s=0.5))  # 99 gaps of 0.5 s, one of 2 s
+    assert (met, gaps) == (99, 100) and attainment(met, gaps)["burn_rate"] == pytest.approx(1.0)
+    assert stalled.meets(SLO(tpot_s=0.52))  # TPOT hardly sees the stall: 51.5 s / 100
 
 
 def test_percentile_edge_cases() -> None:
@@ -232,4 +269,6 @@ def test_tpot_and_gaps_span_first_to_last_token(start: float, gaps: list[float],
     else:
         assert t.tpot is not None and math.isclose(t.tpot * (n - 1), span, rel_tol=1e-9,
                                                    abs_tol=1e-9)
-    assert t.meets(SLO()) and t.meets(SLO(ttft_s=t.ttft, itl_s=t.tpot))
+    assert t.meets(SLO()) and t.meets(SLO(ttft_s=t.ttft, tpot_s=t.tpot))
+    assert t.gaps_within(SLO(itl_s=max(t.itls, default=0.0))) == (len(gaps) - 1,
+                                                                  len(gaps) - 1)
