@@ -1,4 +1,4 @@
-"""`fairgate tune`: search engine knobs with Optuna against p99 TTFT and ITL SLOs.
+"""`fairgate tune`: search engine knobs with Optuna against p99 TTFT, TPOT and ITL SLOs.
 
     fairgate tune --mode sim | replay --url URL | launch --command '...{port}...{knob}...'
                   | shadow --gateway URL --admin-key K --shadow NAME [--shadow-requests N]
@@ -6,8 +6,10 @@
                   [--api-key KEY] [--launch-timeout S] [-c fairgate.yaml] [--set KNOB=VALUE]
                   [--sim-profile FILE]
                   (--workload NAME | --trace FILE | --workload-file F) [--rate R] [--duration S]
-                  [--slo-ttft-p99 S] [--slo-itl-p99 S] [--objective goodput|capacity|pareto]
-                  [--space space.yaml] [--baseline vllm-grid] [--robustness K] [--robust-top N]
+                  [--start S] [--window S]
+                  [--slo-ttft-p99 S] [--slo-tpot-p99 S] [--slo-itl-p99 S]
+                  [--objective goodput|capacity|pareto]
+                  [--space space.yaml] [--baseline vllm-grid] [--holdout K] [--holdout-top N]
                   [--trials N | --timeout S] [--workers N] [--study NAME] [--storage URL]
                   [--out DIR] [--seed N]
 
@@ -15,7 +17,15 @@
 lacks, so a study whose worker was killed is finished by running the same command again (the
 killed trial is re-run with the same knobs once its heartbeat is stale).
 
-An SLO not given is the strictest one an enabled tenant in the database sets (said on stderr).
+The SLOs are vLLM's: TTFT and TPOT per request, ITL every gap between tokens pooled over the
+trial; any combination is a constraint. An SLO not given is the strictest one an enabled tenant
+in the database sets (said on stderr); at least one must be set.
+
+The search trains on one window of the workload and chooses on --holdout K others it never
+optimised on (tuner/holdout.py): a searched config replaces the best baseline (the default, or
+vLLM's grid) only when its held-out lower bound beats that baseline. Each window holds enough
+requests for its p99 to rest on ten beyond it (1,000 at p99) unless --window or --duration
+says otherwise.
 Every input is checked before the study opens or --out is touched; a mistake is one line and
 exit status 2 (for replay that includes an unreachable --url). Exit status 1: the study ran but
 no trial met both SLOs (no best.yaml). In launch mode a server that exits or never becomes
@@ -32,36 +42,41 @@ by side. Without a capture the re-check is skipped with a line saying so.
 from __future__ import annotations
 
 import argparse
-import math
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from fairgate.config import database_url, load_config_file
 from fairgate.engine_cli import build_config
+from fairgate.tenants_common import DEFAULT_CONFIG
 from gateway.config import ADMIN_KEY_ENV  # a tune job's worker gets the key here, never in argv
 from protocol.measures import SLO
 from protocol.validators import check_int, check_number, check_positive_int
 from tuner.bench_cli import plan_requests
+from tuner.measures import min_requests, slo_text
 from tuner.outcome import value_text
 from tuner.runners import MODES, RUNNERS, RunnerOptions, check_mode
 from tuner.space import default_space, load_space_file
-from tuner.spec import HEARTBEAT_S, MAX_RECHECK, OBJECTIVES, TuneSpec, Variant, check_objective
+from tuner.spec import HEARTBEAT_S, MAX_RECHECK, OBJECTIVES, TuneSpec, Window, check_objective
 from tuner.study import run_study
 from tuner.traces import TRACE_FORMATS, TraceRequest
+from tuner.windows import study_windows
 from tuner.workload import WORKLOADS
 
 STORAGE_ENV = "FAIRGATE_TUNE_STORAGE"  # the default --storage (a URL may hold a password)
 
 DEFAULT_TRIALS = 30
 DEFAULT_RECHECK = 3
+DEFAULT_HOLDOUT = 3
 # the workload options of `fairgate bench` that tune does not offer, at bench's defaults
 _BENCH_DEFAULTS = {"scale_tokens": 1.0, "max_prompt_tokens": None, "max_output_tokens": None,
-                   "num_requests": None, "arrivals": None, "burstiness": None, "speed": None,
-                   "start": None}
+                   "num_requests": None, "arrivals": None, "burstiness": None, "speed": None}
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -104,9 +119,12 @@ def register(parser: argparse.ArgumentParser) -> None:
                         "starts; its flags for the tuned knobs (and --host/--port unless "
                         "--command has {port}) are appended, its out-of-memory lines make a "
                         "trial infeasible. best.yaml gives the winner as its flags")
+    parser.add_argument("--apply", action="store_true", help="replay: leave the engine on the "
+                        "recommended config at the end (default: put it back on its own)")
     parser.add_argument("-c", "--config", metavar="FILE",
                         help="fairgate.yaml: its `engine` section is the base config, its "
-                             "`database` the default study storage")
+                             f"`database` the default study storage (default: ./{DEFAULT_CONFIG} "
+                             "if present)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KNOB=VALUE", help="override one base engine knob (YAML value)")
     parser.add_argument("--sim-profile", metavar="FILE", help="sim: step times and KV size "
@@ -118,14 +136,25 @@ def register(parser: argparse.ArgumentParser) -> None:
                                                      "fairgate JSONL)")
     src.add_argument("--workload-file", metavar="FILE", help="YAML/JSON tenant mix")
     parser.add_argument("--trace-format", choices=TRACE_FORMATS, default="auto")
-    parser.add_argument("--rate", type=float, metavar="R", help="requests/s (traces: rescales time)")
-    parser.add_argument("--duration", type=float, metavar="S", help="seconds of workload (default 60)")
+    parser.add_argument("--rate", type=float, metavar="R", help="requests/s (traces: rescales "
+                        "time so that R is the mean over the train window)")
+    parser.add_argument("--duration", type=float, metavar="S", help="seconds of workload per "
+                        "window (default: long enough for 1,000 requests, at least 60 s)")
+    parser.add_argument("--start", type=float, metavar="S", help="traces: the train window "
+                        "starts S trace-seconds in (default 0)")
+    parser.add_argument("--window", type=float, metavar="S", help="traces: each window is S "
+                        "trace-seconds long (default: what holds 1,000 requests, or "
+                        "--rate x --duration of them)")
     parser.add_argument("--slo-ttft-p99", type=float, metavar="S",
                         help="p99 TTFT target, seconds (default: the strictest an enabled "
                         "tenant of the database sets)")
+    parser.add_argument("--slo-tpot-p99", type=float, metavar="S",
+                        help="p99 TPOT target (each request's time per output token after the "
+                        "first), seconds (default: the strictest tenant's)")
     parser.add_argument("--slo-itl-p99", type=float, metavar="S",
-                        help="p99 inter-token target (each request's TPOT), seconds (default: "
-                        "the strictest tenant's)")
+                        help="p99 ITL target (every gap between two tokens, pooled over the "
+                        "trial, as vllm bench serve's ITL), seconds (default: the strictest "
+                        "tenant's)")
     parser.add_argument("--objective", default="goodput", help=f"{' | '.join(OBJECTIVES)}: "
                         "goodput (req/s meeting both SLOs), capacity (the highest rate at which "
                         "both p99s hold; slow in replay/launch mode: each probe is a real-time "
@@ -133,11 +162,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", metavar="NAME", help="vllm-grid: vLLM auto_tune's 8 "
                         "configs (max_num_seqs 128/256 x max_num_batched_tokens 512..4096, "
                         "memory_fraction probed from 0.98 down) join the study")
-    parser.add_argument("--robustness", type=int, metavar="K", help="re-run the top configs on "
-                        "K other seeds or slices of the workload and recommend the best worst "
-                        "case (default 2 in sim mode, 0 in replay/launch: real time)")
-    parser.add_argument("--robust-top", type=int, default=3, metavar="N",
-                        help="how many top configs the robustness re-runs check (default 3)")
+    parser.add_argument("--holdout", "--robustness", dest="holdout", type=int, metavar="K",
+                        help="choose the recommendation on K held-out windows of the workload "
+                        "(a trace's other windows, a synthetic workload's other seeds); 0: the "
+                        f"study's own best (default {DEFAULT_HOLDOUT} in sim mode, 0 in "
+                        "replay/launch: real time)")
+    parser.add_argument("--holdout-top", "--robust-top", dest="holdout_top", type=int,
+                        default=3, metavar="N", help="the study's top configs run on the "
+                        "held-out windows beside the baselines (default 3)")
     parser.add_argument("--workers", type=int, metavar="N", help="trials in parallel: sim and "
                         "launch in N processes, replay one per --url (default: 1, replay: the "
                         "number of --url)")
@@ -163,14 +195,20 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(**_BENCH_DEFAULTS)
 
 
+def config_file(path: str | None) -> str | None:
+    """-c FILE, else ./fairgate.yaml when it exists (as `fairgate tenants` and `keys` choose
+    it), else None: the built-in defaults."""
+    if path is not None or not Path(DEFAULT_CONFIG).is_file():
+        return path
+    return DEFAULT_CONFIG
+
+
 def build_spec(args: argparse.Namespace) -> TuneSpec:
     """Every option checked, in the order a user reads them; ValueError for the first mistake."""
+    args = argparse.Namespace(**{**vars(args), "config": config_file(args.config)})
     mode = check_mode(args.mode)
     objective = check_objective(args.objective)
-    defaults = tenant_slos(database_url(load_config_file(args.config))) if (
-        args.slo_ttft_p99 is None or args.slo_itl_p99 is None) else {}
-    slo = SLO(ttft_s=_slo("--slo-ttft-p99", args.slo_ttft_p99, defaults.get("ttft")),
-              itl_s=_slo("--slo-itl-p99", args.slo_itl_p99, defaults.get("itl")))
+    slo = build_slo(args)
     runner = runner_options(mode, args)
     overrides = list(args.overrides)
     if args.sim_profile is not None:
@@ -187,20 +225,29 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
                              "--objective goodput only")
         # the window's size: the study counts these, the traffic is the gateway's
         requests = [TraceRequest(0.0, 1, 1) for _ in range(runner.shadow_requests)]
+        held: tuple[Window, ...] = ()
     elif not (args.workload or args.trace or args.workload_file):
         raise ValueError("give the workload: --workload NAME, --trace FILE or --workload-file F")
     else:
-        requests = plan_requests(args)
+        holdout = check_int("--holdout", args.holdout if args.holdout is not None
+                            else (DEFAULT_HOLDOUT if mode == "sim" else 0), low=0,
+                            high=MAX_HOLDOUT)
+        train, held = study_windows(args, holdout, min_requests(slo.target), plan_requests,
+                                    strict=args.holdout is not None)
+        if len(held) < holdout:
+            print(f"fairgate tune: the trace holds {len(held)} held-out windows beside the "
+                  f"train window, not {holdout}: choosing on {len(held)}"
+                  + (" (the recommendation is the study's own best)" if not held else ""),
+                  file=sys.stderr)
+        requests = list(train.requests)
     trials = None if args.timeout is not None else check_positive_int(
         "--trials", DEFAULT_TRIALS if args.trials is None else args.trials)
     study = args.study or time.strftime("tune-%Y%m%d-%H%M%S")
     storage = args.storage or os.environ.get(STORAGE_ENV) or database_url(
         load_config_file(args.config))
     out_dir = check_out_dir(Path(args.out or study))
-    robustness = check_int("--robustness", args.robustness if args.robustness is not None
-                           else (2 if mode == "sim" else 0), low=0, high=MAX_VARIANTS)
-    if mode == "shadow" and robustness:
-        raise ValueError("--robustness re-runs other draws of a workload: --mode shadow has "
+    if mode == "shadow" and args.holdout:
+        raise ValueError("--holdout re-runs other draws of a workload: --mode shadow has "
                          "none (its traffic is live)")
     if mode != "shadow" and args.recheck is not None:
         raise ValueError(f"--recheck re-checks a shadow study on its captured traffic: it is "
@@ -213,13 +260,13 @@ def build_spec(args: argparse.Namespace) -> TuneSpec:
                     seed=args.seed, workload=args.workload or args.trace or args.workload_file
                     or f"requests mirrored by {args.gateway} to {args.shadow}",
                     runner=runner, baseline=args.baseline, workers=workers(mode, args),
-                    urls=tuple(args.url), variants=variants(args, robustness, requests),
-                    robust_top=check_int("--robust-top", args.robust_top, low=1),
+                    urls=tuple(args.url), holdout=held if mode != "shadow" else (),
+                    holdout_top=check_int("--holdout-top", args.holdout_top, low=1),
                     heartbeat_s=check_positive_int("--heartbeat", args.heartbeat),
                     recheck=recheck if mode == "shadow" else 0)
 
 
-MAX_VARIANTS = 16
+MAX_HOLDOUT = 16
 
 
 def check_out_dir(path: Path) -> Path:
@@ -244,52 +291,6 @@ def workers(mode: str, args: argparse.Namespace) -> int:
                              f"--url once per engine ({len(args.url)} given)")
         return count
     return check_positive_int("--workers", 1 if args.workers is None else args.workers)
-
-
-def variants(args: argparse.Namespace, count: int,
-             main: Sequence[TraceRequest] = ()) -> tuple[Variant, ...]:
-    """`count` other draws of the workload for the robustness re-runs: a trace's next slices,
-    each the same stretch of trace time as the workload's and replayed at the same speed (so
-    the load differs only as the trace does), a synthetic workload's other seeds. A slice past
-    a trace's end falls back to the next seed; a draw that is the workload itself (a trace
-    replayed on its own timestamps has no seed) is left out."""
-    out: list[Variant] = []
-    window, speed = _trace_window(args) if args.trace else (0.0, 1.0)
-    for k in range(1, count + 1):
-        if args.trace:
-            start = (args.start or 0.0) + k * window
-            try:
-                requests = _plan(args, start=start, rate=None, speed=speed) if window > 0 else []
-            except ValueError:  # the trace ends before this slice starts
-                requests = []
-            if requests:
-                out.append(Variant(f"trace slice from {start:.1f} s", tuple(requests)))
-                continue
-        seed = args.seed + k
-        requests = _plan(args, seed=seed)
-        if requests and tuple(requests) != tuple(main):
-            out.append(Variant(f"seed {seed}", tuple(requests)))
-    return tuple(out)
-
-
-def _trace_window(args: argparse.Namespace) -> tuple[float, float]:
-    """(trace seconds the workload covers, the speed it replays them at): --rate R rescales
-    the trace to R requests/s over its rest from --start, --speed K replays it K times
-    faster."""
-    from tuner.traces import load_trace
-
-    start = args.start or 0.0
-    arrivals = [r.arrival for r in load_trace(Path(args.trace), args.trace_format)
-                if r.arrival >= start]
-    span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
-    native = (len(arrivals) - 1) / span if span > 0 else math.inf
-    speed = args.rate / native if args.rate is not None else (args.speed or 1.0)
-    duration = args.duration if args.duration is not None else 60.0
-    return duration * speed, speed
-
-
-def _plan(args: argparse.Namespace, **changes: Any) -> list[Any]:
-    return plan_requests(argparse.Namespace(**{**vars(args), **changes}))
 
 
 def runner_options(mode: str, args: argparse.Namespace) -> RunnerOptions:
@@ -317,8 +318,11 @@ def runner_options(mode: str, args: argparse.Namespace) -> RunnerOptions:
     if mode == "shadow" and (args.gateway is None or args.shadow is None):
         raise ValueError("--mode shadow needs --gateway URL and --shadow NAME")
     timeout = check_number("--launch-timeout", args.launch_timeout, low=0, open_low=True)
-    engine_named(args.engine)  # checked; RunnerOptions(engine=...) once it has the field
+    if args.apply and mode != "replay":
+        raise ValueError(f"--apply leaves a replayed engine on the winner: it is for --mode "
+                         f"replay, not --mode {mode}")
     return RunnerOptions(url=args.url[0] if args.url else None, command=args.launch_command,
+                         engine=engine_named(args.engine).name, apply=args.apply,
                          api_key=args.api_key, launch_timeout_s=timeout, gateway=args.gateway,
                          admin_key=args.admin_key, shadow=args.shadow,
                          shadow_requests=check_positive_int("--shadow-requests",
@@ -327,20 +331,34 @@ def runner_options(mode: str, args: argparse.Namespace) -> RunnerOptions:
                                                       low=0, open_low=True))
 
 
-def _slo(flag: str, value: float | None, from_tenants: tuple[float, str] | None) -> float:
-    if value is None:
-        if from_tenants is None:
-            raise ValueError(f"{flag} S is required (seconds): no tenant in the database sets "
-                             "that SLO")
-        value, tenant = from_tenants
-        print(f"fairgate tune: {flag} {value:g} s, the strictest tenant SLO ({tenant})",
-              file=sys.stderr)
-    return check_number(flag, value, low=0, open_low=True)
+SLO_FLAGS = {"ttft": "--slo-ttft-p99", "tpot": "--slo-tpot-p99", "itl": "--slo-itl-p99"}
+
+
+def build_slo(args: argparse.Namespace) -> SLO:
+    """The SLOs given; each one not given is the strictest an enabled tenant sets (said on
+    stderr); at least one must be set."""
+    given = {name: getattr(args, f"slo_{name}_p99") for name in SLO_FLAGS}
+    tenants = tenant_slos(database_url(load_config_file(args.config))) if None in \
+        given.values() else {}
+    targets: dict[str, float | None] = {}
+    for name, flag in SLO_FLAGS.items():
+        value = given[name]
+        if value is None and name in tenants:
+            value, tenant = tenants[name]
+            print(f"fairgate tune: {flag} {value:g} s, the strictest tenant SLO ({tenant})",
+                  file=sys.stderr)
+        targets[name] = None if value is None else check_number(flag, value, low=0,
+                                                                 open_low=True)
+    if all(v is None for v in targets.values()):
+        raise ValueError("give at least one SLO (seconds): --slo-ttft-p99 S, --slo-tpot-p99 S "
+                         "or --slo-itl-p99 S; no tenant in the database sets one")
+    return SLO(ttft_s=targets["ttft"], tpot_s=targets["tpot"], itl_s=targets["itl"])
 
 
 def tenant_slos(url: str) -> dict[str, tuple[float, str]]:
-    """{"ttft"|"itl": (the strictest p99 target any enabled tenant sets, its tenant)}; empty
-    when the database does not exist yet or holds no tenants (it is never created here)."""
+    """{"ttft"|"tpot"|"itl": (the strictest p99 target any enabled tenant sets, its tenant)};
+    empty when the database does not exist yet or holds no tenants (it is never created
+    here)."""
     import asyncio
 
     from sqlalchemy.engine import make_url
@@ -365,31 +383,55 @@ def tenant_slos(url: str) -> dict[str, tuple[float, str]]:
         return {}
     found: dict[str, tuple[float, str]] = {}
     for tenant in tenants:
-        for measure, target in (("ttft", tenant.slo_ttft_p99_s), ("itl", tenant.slo_itl_p99_s)):
+        for measure, target in (("ttft", tenant.slo_ttft_p99_s), ("tpot", tenant.slo_tpot_p99_s),
+                                ("itl", tenant.slo_itl_p99_s)):
             if tenant.enabled and target is not None and (
                     measure not in found or target < found[measure][0]):
                 found[measure] = (target, tenant.name)
     return found
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends the study as Ctrl-C does, so a replayed engine is put back on its own
+    config and launched servers are stopped (in the main thread only, where signals land)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(args: argparse.Namespace) -> int:
     import optuna
 
     from tuner.progress import ProgressBar
+    from tuner.remote import LaunchAborted
     from tuner.study_report import margin_text
 
     spec = build_spec(args)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own line per trial instead
-    with ProgressBar(spec.trials, sys.stderr) as bar:
-        outcome = run_study(spec, progress=bar)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own line per trial instead
+    try:
+        with ProgressBar(spec.trials, sys.stderr) as bar, _sigterm_as_interrupt():
+            outcome = run_study(spec, progress=bar)
+    except LaunchAborted as exc:
+        print(f"fairgate tune: error: {exc}", file=sys.stderr)
+        return 2
     written = ", ".join(str(p) for p in outcome.files)
     default = outcome.default
     if spec.mode == "launch" and default is not None and not default.ran:
         print(f"fairgate tune: the base config's trial #{default.number} got no server to "
               f"measure ({default.infeasible})", file=sys.stderr)
     if outcome.best is None:
-        print(f"fairgate tune: no trial met both SLOs (p99 TTFT <= {spec.slo.ttft_s:g} s, "
-              f"p99 ITL <= {spec.slo.itl_s:g} s) in {len(outcome.rows)} trials; wrote "
+        print(f"fairgate tune: no trial met the SLOs ({slo_text(spec.slo)}) in "
+              f"{len(outcome.rows)} trials; wrote "
               f"{written}", file=sys.stderr)
         return 1
     best = outcome.best

@@ -156,10 +156,11 @@ def _shape(args: argparse.Namespace, base: LoadShape) -> LoadShape:
             "speed",
             "start",
             "seed",
+            "window",
         )
-        if getattr(args, name) is not None
+        if getattr(args, name, None) is not None
     }
-    if "duration" not in given and "num_requests" in given:
+    if "duration" not in given and ("num_requests" in given or "window" in given):
         given["duration"] = None
     return dataclasses.replace(base, **given)
 

@@ -12,23 +12,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import optuna
+from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
 
 from engine.config import EngineConfig
 from protocol.measures import SLO
 from tuner.capacity import mean_rate, scale_arrivals, search_capacity
 from tuner.measures import (
-    CONSTRAINTS,
     VIOLATION_CAP,
     StopRule,
     TrialMeasures,
+    TrialRun,
+    constraint_names,
     early_stop,
     measure,
     never_stop,
+    rank,
+    slo_targets,
 )
 from tuner.outcome import knob_text
 from tuner.progress import Progress
@@ -44,9 +49,10 @@ class Scored:
 
     value: float  # the objective (pareto: output tokens/s)
     measures: TrialMeasures
-    missed: str | None  # why it missed the SLOs, None when it met both
+    missed: str | None  # why it missed the SLOs, None when it met them
     capacity: dict[str, Any] | None = None
     live: TrialMeasures | None = None  # shadow mode: the live side of the same requests
+    interval: tuple[float, float] | None = None  # the objective's 95% interval, when asked
 
 
 class Evaluator:
@@ -57,7 +63,7 @@ class Evaluator:
                  full_runs: bool = False) -> None:
         self.spec, self.runner, self.prepared = spec, runner, prepared
         self.progress, self.worker = progress, worker
-        self.stop = early_stop(len(spec.requests), spec.slo)
+        self.stop = early_stop(spec.requests, spec.slo)
         # re-checks compare figures between sources: every request runs, none is cut off
         self.full_runs = full_runs
 
@@ -91,63 +97,138 @@ class Evaluator:
         build_config(self.spec.base, params)  # what best.yaml would hold must load too
         return build_config(self.prepared, params)
 
-    def score(self, config: EngineConfig, requests: Sequence[TraceRequest]) -> Scored:
-        """The objective of `config` on `requests`; ValueError when it cannot start."""
+    def score(self, config: EngineConfig, requests: Sequence[TraceRequest],
+              interval: bool = False) -> Scored:
+        """The objective of `config` on `requests`, with its interval when `interval`;
+        ValueError when it cannot start."""
         if self.spec.objective == "capacity":
-            return self._capacity(config, requests)
-        run = self.runner.run(config, requests, self._stop_for(requests))
-        measures = measure(run, len(requests), self.spec.slo, self.spec.seed)
-        missed = run.stopped or measures.missed(self.spec.slo)
+            return self._capacity(config, requests, interval)
+        measures, missed, run = self._replay(config, requests)
         live_timings = getattr(run, "live_timings", None)
         if live_timings is not None:  # shadow mode: against the live engine, same requests
-            live = measure(Timings(live_timings, run.elapsed_s), len(requests), self.spec.slo,
-                           self.spec.seed)
+            live = measure(Timings(live_timings, run.elapsed_s), len(requests), self.spec.slo)
             return Scored(measures.good_fraction - live.good_fraction, measures, missed,
                           live=live)
-        value = (measures.output_tokens_per_s if self.spec.multi_objective
-                 else measures.goodput_rps)
-        return Scored(value, measures, missed)
+        if self.spec.multi_objective:
+            return Scored(measures.output_tokens_per_s, measures, missed,
+                          interval=_tokens_interval(run) if interval else None)
+        return Scored(measures.goodput_rps, measures, missed,
+                      interval=_goodput_interval(measures) if interval else None)
 
     def _stop_for(self, requests: Sequence[TraceRequest]) -> StopRule:
         if self.full_runs:
             return never_stop
         return self.stop if requests is self.spec.requests else early_stop(
-            len(requests), self.spec.slo)
+            requests, self.spec.slo)
 
     def _not_run(self, trial: optuna.Trial, reason: str) -> float | tuple[float, float]:
-        record_not_run(trial, reason)
+        record_not_run(trial, reason, self.spec.slo)
         return (0.0, VIOLATION_CAP) if self.spec.multi_objective else 0.0
 
-    def _replay(self, config: EngineConfig,
-                requests: Sequence[TraceRequest]) -> tuple[TrialMeasures, str | None]:
-        """The run's measures and why it missed the SLOs (None when it met both)."""
+    def _replay(self, config: EngineConfig, requests: Sequence[TraceRequest]
+                ) -> tuple[TrialMeasures, str | None, TrialRun]:
+        """The run's measures and why it missed the SLOs (None when it met them): the
+        requests the engine refused first, since an early stop they cause reads as misses."""
         run = self.runner.run(config, requests, self._stop_for(requests))
-        measures = measure(run, len(requests), self.spec.slo, self.spec.seed)
-        return measures, run.stopped or measures.missed(self.spec.slo)
+        measures = measure(run, len(requests), self.spec.slo)
+        missed = measures.missed(self.spec.slo)
+        if run.stopped is not None:
+            refusal = measures.refusal_text()
+            missed = f"{refusal}; {run.stopped}" if refusal else run.stopped
+        return measures, missed, run
 
-    def _capacity(self, config: EngineConfig, requests: Sequence[TraceRequest]) -> Scored:
+    def _capacity(self, config: EngineConfig, requests: Sequence[TraceRequest],
+                  interval: bool) -> Scored:
         """The SLOs are inside the objective: a config that holds at some rate is feasible."""
-        misses: list[tuple[TrialMeasures, str]] = []
+        probes: dict[float, tuple[TrialMeasures, str | None]] = {}
 
         def probe(factor: float) -> TrialMeasures | None:
-            measures, missed = self._replay(config, scale_arrivals(requests, factor))
-            if missed is not None:
-                misses.append((measures, missed))
-                return None
-            return measures
+            measures, missed, _ = self._replay(config, scale_arrivals(requests, factor))
+            probes[factor] = (measures, missed)
+            return measures if missed is None else None
 
         search = search_capacity(probe)
         workload_rate = mean_rate(requests)
         capacity = search.factor * workload_rate
-        found = {"rate_rps": capacity, "factor": search.factor, "probes": len(search.probes),
-                 "workload_rate_rps": workload_rate}
+        found: dict[str, Any] = {"rate_rps": capacity, "factor": search.factor,
+                                 "probes": len(search.probes), "workload_rate_rps": workload_rate}
         if search.at is None:
-            measures, missed = misses[-1]
             lowest = search.probes[-1][0]
+            measures, missed = probes[lowest]
             return Scored(capacity, measures, f"misses the SLOs even at {lowest:.3g}x the "
                           f"workload's rate ({lowest * workload_rate:.3g} req/s): {missed}",
-                          found)
-        return Scored(capacity, search.at, None, found)
+                          found, interval=(0.0, 0.0) if interval else None)
+        bounds = None
+        if interval:
+            low, high = capacity_bounds(probe, probes, search.factor, self.spec.slo)
+            bounds = (low * workload_rate, high * workload_rate)
+            found["interval_rps"] = list(bounds)
+        return Scored(capacity, search.at, None, found, interval=bounds)
+
+
+CI_PROBES = 3  # extra probes, each way, to find a rate the SLOs surely hold or surely miss at
+CI_STEP = 1.15
+
+
+def capacity_bounds(probe: Callable[[float], TrialMeasures | None],
+                    probes: dict[float, tuple[TrialMeasures, str | None]], factor: float,
+                    slo: SLO) -> tuple[float, float]:
+    """The interval of a capacity `factor` found by `search_capacity`, by inverting the p99s'
+    intervals: its low end is the highest rate probed at which every p99's interval lies under
+    its target (surely held), its high end the lowest at which some p99's interval lies over
+    its target, or a request was refused or cut off (surely missed). Up to CI_PROBES more
+    probes each way find them when the search's own probes do not."""
+    def surely_met(m: TrialMeasures) -> bool:
+        return not m.failed and all(m.interval(n)[1] <= t for n, t in slo_targets(slo))
+
+    def surely_missed(m: TrialMeasures) -> bool:
+        return m.failed > m.requests - rank(m.requests, m.target) or any(
+            m.interval(n)[0] > t for n, t in slo_targets(slo))
+
+    def bound(sure: Callable[[TrialMeasures], bool], side: Callable[[float], bool],
+              pick: Callable[..., float], step: float) -> float:
+        found = [f for f, (m, _) in probes.items() if side(f) and sure(m)]
+        edge = factor
+        for _ in range(CI_PROBES):
+            if found:
+                break
+            edge *= step
+            probe(edge)
+            if sure(probes[edge][0]):
+                found.append(edge)
+        return pick(found) if found else edge
+
+    low = bound(surely_met, lambda f: f <= factor, max, 1 / CI_STEP)
+    high = bound(surely_missed, lambda f: f > factor, min, CI_STEP)
+    return min(low, factor), max(high, factor)
+
+
+def _goodput_interval(m: TrialMeasures) -> tuple[float, float]:
+    """Goodput's 95% interval: the Wilson interval of the share of requests that met the
+    SLOs, times the run's rate of requests."""
+    rate = m.requests / m.elapsed_s if m.elapsed_s > 0 else 0.0
+    low, high = wilson(round(m.good_fraction * m.requests), m.requests)
+    return low * rate, high * rate
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _tokens_interval(run: TrialRun, resamples: int = 200) -> tuple[float, float]:
+    """Output tokens/s's 95% interval, by bootstrap over the run's requests."""
+    tokens = np.asarray([t.num_output_tokens if t.ok else 0 for t in run.timings], dtype=float)
+    if not len(tokens) or run.elapsed_s <= 0:
+        return 0.0, 0.0
+    draws = np.random.default_rng(0).choice(tokens, size=(resamples, len(tokens))).sum(axis=1)
+    low, high = np.quantile(draws / run.elapsed_s, [0.025, 0.975])
+    return float(low), float(high)
 
 
 def _beat(trial: optuna.Trial) -> None:
@@ -159,22 +240,28 @@ def _beat(trial: optuna.Trial) -> None:
         storage.record_heartbeat(trial._trial_id)
 
 
-def record_measures(trial: optuna.Trial, measures: TrialMeasures, slo: SLO, missed: str | None) -> None:
+def record_measures(trial: optuna.Trial, measures: TrialMeasures, slo: SLO,
+                    missed: str | None) -> None:
     trial.set_user_attr("ran", True)
     trial.set_user_attr("measures", json_safe(dataclasses.asdict(measures)))
-    _set_constraints(trial, measures.violations(slo))
+    _set_constraints(trial, measures.violations(slo), slo)
     trial.set_user_attr("infeasible", missed)
 
 
-def record_not_run(trial: optuna.Trial, reason: str) -> None:
+def record_not_run(trial: optuna.Trial, reason: str, slo: SLO) -> None:
     trial.set_user_attr("ran", False)
-    _set_constraints(trial, [VIOLATION_CAP, VIOLATION_CAP])
+    _set_constraints(trial, [VIOLATION_CAP] * len(constraint_names(slo)), slo)
     trial.set_user_attr("infeasible", " ".join(reason.split()))
 
 
-def _set_constraints(trial: optuna.Trial, violations: Sequence[float]) -> None:
-    for name, value in zip(CONSTRAINTS, violations, strict=True):
+def _set_constraints(trial: optuna.Trial, violations: Sequence[float], slo: SLO) -> None:
+    """Named for people (`set_constraint`), and as the plain list under Optuna's
+    "constraints" system attribute, the one form optuna-dashboard reads (without it every
+    trial shows as feasible there)."""
+    for name, value in zip(constraint_names(slo), violations, strict=True):
         trial.set_constraint(name, value)
+    trial.storage.set_trial_system_attr(trial._trial_id, _CONSTRAINTS_KEY,
+                                        [float(v) for v in violations])
 
 
 def json_safe(value: Any) -> Any:

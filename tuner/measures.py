@@ -9,6 +9,7 @@ request in a hundred make the p99 infinite).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -16,11 +17,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from protocol.measures import SLO, RequestTiming, error_budget, goodput
+from tuner.traces import TraceRequest
 
 StopRule = Callable[[list[RequestTiming]], str | None]
 VIOLATION_CAP = 1e6  # seconds: an infinite p99 (or a trial that never ran) as a finite violation
-BOOTSTRAP_RESAMPLES = 200
-CONSTRAINTS = ("p99_ttft", "p99_itl")  # p99 - SLO, seconds
+CONSTRAINTS = ("p99_ttft", "p99_tpot", "p99_itl")  # p99 - SLO, seconds; those the SLO sets
 
 
 class TrialRun(Protocol):
@@ -40,7 +41,9 @@ class TrialRun(Protocol):
 class TrialMeasures:
     p99_ttft_s: float
     p99_ttft_ci: tuple[float, float]
-    p99_itl_s: float  # of each request's TPOT
+    p99_tpot_s: float  # each request's TPOT
+    p99_tpot_ci: tuple[float, float]
+    p99_itl_s: float  # every gap between two tokens, pooled over the run's requests
     p99_itl_ci: tuple[float, float]
     goodput_rps: float
     good_fraction: float
@@ -49,19 +52,92 @@ class TrialMeasures:
     wall_s: float
     output_tokens_per_s: float = 0.0  # of every request that finished, met its SLOs or not
     engine_stats: dict[str, Any] | None = None  # replay/launch: the engine's own /stats window
+    gaps: int = 0  # the gaps the ITL p99 pools
+    refused: int = 0  # of `failed`: refused by the engine before running
+    refused_because: str | None = None  # the engine's reason for the first refusal
+    target: float = 0.99
+    elapsed_s: float = 0.0  # the run's span, first arrival to last finish
+
+    @property
+    def tail_samples(self) -> float:
+        """How many requests lie beyond the p99: the sample its estimate rests on."""
+        return self.requests * (1.0 - self.target)
+
+    def p99(self, name: str) -> float:
+        """The p99 of one constraint ("p99_ttft", "p99_tpot", "p99_itl"), seconds."""
+        value: float = getattr(self, f"{name}_s")
+        return value
+
+    def interval(self, name: str) -> tuple[float, float]:
+        low, high = getattr(self, f"{name}_ci")
+        return float(low), float(high)
 
     def violations(self, slo: SLO) -> list[float]:
-        assert slo.ttft_s is not None and slo.itl_s is not None
-        return [min(self.p99_ttft_s - slo.ttft_s, VIOLATION_CAP),
-                min(self.p99_itl_s - slo.itl_s, VIOLATION_CAP)]
+        """p99 - target for each constraint `slo` sets (`constraint_names`), seconds."""
+        return [min(self.p99(name) - target, VIOLATION_CAP)
+                for name, target in slo_targets(slo)]
+
+    def uncertain(self, slo: SLO) -> list[str]:
+        """The constraints whose p99 interval straddles their target: met or missed by chance."""
+        return [name for name, target in slo_targets(slo)
+                if self.interval(name)[0] <= target < self.interval(name)[1]]
+
+    def refusal_text(self) -> str | None:
+        """'318 of 362 requests (88%) refused: <the engine's reason>', or None."""
+        if not self.refused:
+            return None
+        because = f": {self.refused_because}" if self.refused_because else ""
+        return (f"{self.refused} of {self.requests} requests "
+                f"({self.refused / self.requests:.0%}) refused{because}")
 
     def missed(self, slo: SLO) -> str | None:
-        ttft, itl = self.violations(slo)
-        misses = [f"p99 TTFT {seconds_text(self.p99_ttft_s)} > {seconds_text(slo.ttft_s)}"] if ttft > 0 else []
-        misses += [f"p99 ITL {seconds_text(self.p99_itl_s)} > {seconds_text(slo.itl_s)}"] if itl > 0 else []
-        if misses and self.failed:
-            misses.append(f"{self.failed} of {self.requests} requests refused or failed")
-        return ", ".join(misses) or None
+        """Why the run missed its SLOs, its real cause first: the requests the engine refused,
+        then each p99 over its target and by how much; None when it met them all."""
+        misses = [f"{CONSTRAINT_TEXT[name]} {seconds_text(self.p99(name))} > "
+                  f"{seconds_text(target)} ({margin_text(self.p99(name), target)})"
+                  for (name, target), over in zip(slo_targets(slo), self.violations(slo),
+                                                  strict=True) if over > 0]
+        if not misses:
+            return None
+        unrefused = self.failed - self.refused
+        if unrefused:
+            misses.append(f"{unrefused} of {self.requests} requests failed or cut off")
+        refusal = self.refusal_text()
+        return ", ".join([refusal, *misses] if refusal else misses)
+
+
+CONSTRAINT_TEXT = {"p99_ttft": "p99 TTFT", "p99_tpot": "p99 TPOT", "p99_itl": "p99 ITL"}
+
+
+def slo_targets(slo: SLO) -> list[tuple[str, float]]:
+    """(constraint name, target seconds) for each SLO that is set, in `CONSTRAINTS` order."""
+    targets = {"p99_ttft": slo.ttft_s, "p99_tpot": slo.tpot_s, "p99_itl": slo.itl_s}
+    return [(name, target) for name in CONSTRAINTS if (target := targets[name]) is not None]
+
+
+def slo_text(slo: SLO) -> str:
+    """'p99 TTFT <= 2.00 s, p99 ITL <= 150.0 ms': the SLOs that are set."""
+    return ", ".join(f"{CONSTRAINT_TEXT[name]} <= {seconds_text(target)}"
+                     for name, target in slo_targets(slo))
+
+
+def constraint_names(slo: SLO) -> list[str]:
+    return [name for name, _ in slo_targets(slo)]
+
+
+def margin_text(value: float, target: float) -> str:
+    if not math.isfinite(value):
+        return "a request never finished"
+    return f"{value / target - 1:+.0%}"
+
+
+MIN_TAIL_SAMPLES = 10  # a p99 resting on fewer requests beyond it is mostly noise
+
+
+def min_requests(target: float) -> int:
+    """The fewest requests whose `target` quantile rests on MIN_TAIL_SAMPLES beyond it
+    (1,000 for a p99)."""
+    return math.ceil(MIN_TAIL_SAMPLES / error_budget(target) - 1e-9)
 
 
 def rank(n: int, target: float) -> int:
@@ -69,68 +145,112 @@ def rank(n: int, target: float) -> int:
     return max(1, math.ceil(target * n - 1e-9))
 
 
-def quantile_ci(values: Sequence[float], target: float, seed: int = 0,
-                resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, tuple[float, float]]:
-    """The nearest-rank `target` quantile and its 95% bootstrap interval (NaN for no values)."""
-    if not values:
-        return math.nan, (math.nan, math.nan)
+def quantile_ci(values: Sequence[float] | np.ndarray, target: float,
+                confidence: float = 0.95) -> tuple[float, tuple[float, float]]:
+    """The nearest-rank `target` quantile and its distribution-free `confidence` interval:
+    the order statistics whose ranks bound where the true quantile's rank falls among n
+    independent draws (binomial, normal approximation). Exact in what it assumes, cheap for
+    the hundreds of thousands of gaps an ITL p99 pools, and deterministic. NaN for no values."""
     data = np.asarray(values, dtype=float)
-    k = rank(len(data), target) - 1
-    point = float(np.partition(data, k)[k])
-    samples = np.random.default_rng(seed).choice(data, size=(resamples, len(data)))
-    estimates = np.sort(np.partition(samples, k, axis=1)[:, k])  # [resamples]
-    low, high = estimates[rank(resamples, 0.025) - 1], estimates[rank(resamples, 0.975) - 1]
-    return point, (float(low), float(high))
+    n = len(data)
+    if n == 0:
+        return math.nan, (math.nan, math.nan)
+    k = rank(n, target)
+    z = _Z[confidence]
+    spread = z * math.sqrt(n * target * (1.0 - target))
+    low_rank = max(1, math.floor(n * target - spread))
+    high_rank = min(n, math.ceil(n * target + spread) + 1)
+    ordered = np.partition(data, sorted({k - 1, low_rank - 1, high_rank - 1}))
+    return float(ordered[k - 1]), (float(ordered[low_rank - 1]), float(ordered[high_rank - 1]))
 
 
-def measure(run: TrialRun, planned: int, slo: SLO, seed: int = 0) -> TrialMeasures:
-    """Pooled over every planned request; a failed, refused or missing one is a miss."""
+_Z = {0.9: 1.6449, 0.95: 1.96, 0.99: 2.5758}
+
+
+def measure(run: TrialRun, planned: int, slo: SLO) -> TrialMeasures:
+    """Pooled over every planned request; a failed, refused or missing one is a miss (an
+    infinite TTFT, TPOT and gap)."""
     timings = run.timings
-    missing = [math.inf] * (planned - len(timings))
-    ttfts = [t.ttft if t.ok and t.ttft is not None else math.inf for t in timings] + missing
-    tpots = [math.inf if not t.ok else t.tpot for t in timings] + missing
-    ttft = quantile_ci(ttfts, slo.target, seed)
-    # no request with two tokens has no gap to miss: its p99 ITL is 0, not NaN
-    itl = quantile_ci([v for v in tpots if v is not None] or [0.0], slo.target, seed)
+    missing = planned - len(timings)
+    failed = [t for t in timings if not t.ok]
+    ttfts = [t.ttft if t.ok and t.ttft is not None else math.inf for t in timings]
+    tpots = [v for t in timings if (v := t.tpot if t.ok else math.inf) is not None]
+    ttft = quantile_ci(ttfts + [math.inf] * missing, slo.target)
+    # no request with two tokens has no gap to miss: its p99 TPOT and ITL are 0, not NaN
+    tpot = quantile_ci(tpots + [math.inf] * missing or [0.0], slo.target)
+    gaps = _gaps(timings, len(failed) + missing)
+    itl = quantile_ci(gaps if len(gaps) else [0.0], slo.target)
     good = goodput(timings, run.elapsed_s, slo)
     tokens = sum(t.num_output_tokens for t in timings if t.ok)
-    return TrialMeasures(p99_ttft_s=ttft[0], p99_ttft_ci=ttft[1], p99_itl_s=itl[0],
-                         p99_itl_ci=itl[1], goodput_rps=good.requests_per_s,
+    refused: Counter[str] = getattr(run, "refused", None) or Counter()
+    return TrialMeasures(p99_ttft_s=ttft[0], p99_ttft_ci=ttft[1], p99_tpot_s=tpot[0],
+                         p99_tpot_ci=tpot[1], p99_itl_s=itl[0], p99_itl_ci=itl[1],
+                         goodput_rps=good.requests_per_s,
                          good_fraction=good.requests / planned, requests=planned,
-                         failed=sum(not t.ok for t in timings) + len(missing),
+                         failed=len(failed) + missing,
                          wall_s=run.wall_s, output_tokens_per_s=(
                              tokens / run.elapsed_s if run.elapsed_s > 0 else 0.0),
-                         engine_stats=getattr(run, "engine_stats", None))
+                         engine_stats=getattr(run, "engine_stats", None), gaps=len(gaps),
+                         refused=sum(refused.values()),
+                         refused_because=refused.most_common(1)[0][0] if refused else None,
+                         target=slo.target, elapsed_s=run.elapsed_s)
 
 
-def early_stop(planned: int, slo: SLO) -> StopRule:
-    """Stop once more requests missed a target than the p99 allows of the planned ones."""
-    return EarlyStop(planned, slo)
+def _gaps(timings: Sequence[RequestTiming], unfinished: int) -> np.ndarray:
+    """Every gap between two tokens of a request that succeeded, and one infinite gap for each
+    request that did not (`RequestTiming.gaps_within`'s count)."""
+    parts = [np.diff(np.asarray(t.token_times, dtype=float)) for t in timings
+             if t.ok and len(t.token_times) > 1]
+    parts.append(np.full(unfinished, math.inf))
+    return np.concatenate(parts)
+
+
+def early_stop(requests: Sequence[TraceRequest], slo: SLO) -> StopRule:
+    """Stop once more requests (or gaps) missed a target than its p99 allows of those planned."""
+    return EarlyStop(requests, slo)
 
 
 class EarlyStop:
     """The early-stop rule, incremental: a run hands it its append-only list of finished
     timings, and only the new ones are counted (a new list starts the count afresh), so asking
-    after every finished request costs O(1) each."""
+    after every finished request costs O(1) each. Requests the engine refused or that failed
+    are said as such, not as a latency miss; gaps count against the planned gaps (each
+    request's output tokens less one)."""
 
-    def __init__(self, planned: int, slo: SLO) -> None:
-        self.planned, self.slo = planned, slo
-        self.allowed = planned - rank(planned, slo.target)
+    def __init__(self, requests: Sequence[TraceRequest], slo: SLO) -> None:
+        self.planned, self.slo = len(requests), slo
+        self.allowed = self.planned - rank(self.planned, slo.target)
+        self.planned_gaps = sum(max(0, r.output_tokens - 1) for r in requests)
+        self.allowed_gaps = (self.planned_gaps - rank(self.planned_gaps, slo.target)
+                             if self.planned_gaps else 0)
         self._list: list[RequestTiming] | None = None
-        self._seen = 0
-        self._missed = {"TTFT": 0, "ITL": 0}
+        self._reset([])
+
+    def _reset(self, finished: list[RequestTiming]) -> None:
+        self._list, self._seen = finished, 0
+        self._missed = {"failed": 0, "TTFT": 0, "TPOT": 0}
+        self._missed_gaps = 0
 
     def __call__(self, finished: list[RequestTiming]) -> str | None:
         if finished is not self._list or len(finished) < self._seen:
-            self._list, self._seen, self._missed = finished, 0, {"TTFT": 0, "ITL": 0}
+            self._reset(finished)
         for timing in finished[self._seen:]:
+            self._missed["failed"] += not timing.ok
             self._missed["TTFT"] += not timing.meets_ttft(self.slo)
-            self._missed["ITL"] += not timing.meets_tpot(self.slo)
+            self._missed["TPOT"] += not timing.meets_tpot(self.slo)
+            if self.slo.itl_s is not None:
+                met, gaps = timing.gaps_within(self.slo)
+                self._missed_gaps += gaps - met
         self._seen = len(finished)
+        budget = f"more than the {error_budget(self.slo.target):.0%} a p99 allows"
         for name, missed in self._missed.items():
             if missed > self.allowed:
-                return (f"stopped early: {missed} of {self.planned} requests missed the {name} "
-                        f"SLO, more than the {error_budget(self.slo.target):.0%} a p99 allows")
+                what = ("were refused or failed" if name == "failed"
+                        else f"missed the {name} SLO")
+                return f"stopped early: {missed} of {self.planned} requests {what}, {budget}"
+        if self.slo.itl_s is not None and self._missed_gaps > self.allowed_gaps:
+            return (f"stopped early: {self._missed_gaps} of {self.planned_gaps} planned gaps "
+                    f"between tokens missed the ITL SLO, {budget}")
         return None
 
 

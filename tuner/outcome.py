@@ -14,8 +14,8 @@ from tuner.measures import seconds_text
 from tuner.spec import OBJECTIVE_UNIT
 
 if TYPE_CHECKING:
+    from tuner.holdout import Selection
     from tuner.recheck import Recheck
-    from tuner.robustness import Robustness
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,10 @@ class TrialRow:
 class StudyOutcome:
     study_name: str
     rows: list[TrialRow]
-    best: TrialRow | None  # the recommendation: best worst case over the robustness re-runs
+    best: TrialRow | None  # the recommendation: chosen on the held-out windows
     default: TrialRow | None  # the base config's trial
     files: list[Path] = field(default_factory=list)
-    robustness: list[Robustness] = field(default_factory=list)
+    selection: Selection | None = None  # the held-out windows' figures and verdict
     front: list[TrialRow] = field(default_factory=list)  # pareto: the feasible front
     recheck: Recheck | None = None  # shadow: the best configs on the captured trace
 

@@ -30,6 +30,11 @@ class TrialRunner(Protocol):
         """Replay `requests` under `config`; ValueError when it cannot start."""
         ...
 
+    def finish(self, winner: EngineConfig | None) -> None:
+        """The study ended (`winner` None: without a recommendation, or by an error): put
+        what it changed back (replay: the engine's own config, unless told to apply it)."""
+        ...
+
 
 @dataclass(frozen=True)
 class RunnerOptions:
@@ -46,6 +51,8 @@ class RunnerOptions:
     shadow: str | None = None
     shadow_requests: int = 100  # mirrored requests per trial
     shadow_window_s: float = 300.0  # the longest a trial waits for them
+    engine: str = "fairgate"  # launch: whose flags the tuned knobs become (tuner.engines)
+    apply: bool = False  # replay: leave the engine on the winner, not on its own config
 
 
 class SimRunner:
@@ -64,6 +71,9 @@ class SimRunner:
         from tuner.simulate import simulate
 
         return simulate(config, requests, stop=stop, max_wall_s=SIM_TRIAL_WALL_S)
+
+    def finish(self, winner: EngineConfig | None) -> None:
+        del winner  # nothing outside this process changed
 SIM_TRIAL_WALL_S = 300.0  # a 2,000-request trial takes about a second
 
 
@@ -72,7 +82,7 @@ def _replay_runner(options: RunnerOptions) -> TrialRunner:
 
     if options.url is None:
         raise ValueError("--mode replay needs --url URL of a running fairgate engine")
-    return ReplayRunner(options.url, options.api_key, options.knobs)
+    return ReplayRunner(options.url, options.api_key, options.knobs, apply=options.apply)
 
 
 def _launch_runner(options: RunnerOptions) -> TrialRunner:
@@ -80,7 +90,8 @@ def _launch_runner(options: RunnerOptions) -> TrialRunner:
 
     if options.command is None:
         raise ValueError("--mode launch needs --command '... --port {port} ...'")
-    return LaunchRunner(options.command, options.api_key, options.launch_timeout_s)
+    return LaunchRunner(options.command, options.api_key, options.launch_timeout_s,
+                        engine=options.engine, knobs=options.knobs)
 
 
 def _shadow_runner(options: RunnerOptions) -> TrialRunner:

@@ -66,6 +66,9 @@ class ShadowRunner:
     def prepare(self, config: EngineConfig) -> EngineConfig:
         return config
 
+    def finish(self, winner: EngineConfig | None) -> None:
+        del winner  # each trial reconfigures the shadow engine; it serves no live traffic
+
     def run(self, config: EngineConfig, requests: Sequence[TraceRequest],
             stop: StopRule) -> ShadowRun:
         self.engine.reconfigure(config)  # ValueError: refused; waits until it is ready

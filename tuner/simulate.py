@@ -11,8 +11,9 @@ runs and no real time passes: a trial of thousands of requests takes seconds of 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.clock import VirtualClock
@@ -36,6 +37,7 @@ class SimResult:
     steps: int
     wall_s: float  # real seconds the simulation took
     preemptions: int
+    refused: Counter[str] = field(default_factory=Counter)  # why the engine refused requests
 
 
 def simulate(config: EngineConfig, requests: Sequence[TraceRequest], *,
@@ -67,7 +69,8 @@ def simulate(config: EngineConfig, requests: Sequence[TraceRequest], *,
     return SimResult(timings=replay.timings(), elapsed_s=replay.last_end - first_arrival,
                      stopped=stopped, steps=replay.steps,
                      wall_s=time.perf_counter() - started,
-                     preemptions=int(engine.stats().get("num_preemptions", 0)))
+                     preemptions=int(engine.stats().get("num_preemptions", 0)),
+                     refused=replay.refused)
 
 
 class _Replay:
@@ -86,6 +89,7 @@ class _Replay:
         self.prompts = PromptBuilder(engine.executor.vocab_size)
         self.live: dict[str, tuple[int, Request]] = {}  # request id -> (workload index, request)
         self.done: dict[int, RequestTiming] = {}
+        self.refused: Counter[str] = Counter()
         self.finished: list[RequestTiming] = []  # finish order, what `stop` sees
         self.stop = stop
         self.check_every = check_every
@@ -148,10 +152,18 @@ class _Replay:
             request = self.engine.add_request(
                 request_id, self.prompts.build(index, trace), params, tenant=trace.tenant,
                 priority=trace.priority or "interactive", arrival_time=trace.arrival)
-        except ValueError:  # too long for max_model_len, an unknown priority, ...
+        except ValueError as error:  # too long for max_model_len, an unknown priority, ...
+            self.refused[self._refusal(str(error))] += 1
             self._record(index, _failed(trace.arrival, trace.arrival))
             return
         self.live[request_id] = (index, request)
+
+    def _refusal(self, message: str) -> str:
+        """The engine's reason, the same words for every request it applies to."""
+        if "max_model_len" in message:
+            return (f"prompt plus max_tokens longer than max_model_len "
+                    f"({self.engine.config.resolved_max_model_len})")
+        return message
 
     def _finish(self, request_id: str) -> None:
         index, request = self.live.pop(request_id)

@@ -57,11 +57,17 @@ def optuna_storage_url(url: str) -> str:
 
 
 @dataclass(frozen=True)
-class Variant:
-    """Another slice or seed of the workload, for the robustness re-runs."""
+class Window:
+    """A stretch of the workload: a trace's window, or a synthetic workload's seed."""
 
-    label: str  # "seed 1", "slice from 60 s"
+    label: str  # "trace 600-900 s", "seed 1"
     requests: tuple[TraceRequest, ...]
+
+    @property
+    def rate(self) -> float:
+        """Requests per second over the window's arrivals."""
+        span = max((r.arrival for r in self.requests), default=0.0)
+        return len(self.requests) / span if span > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class TuneSpec:
     base: EngineConfig  # the user's config (-c, --set); best.yaml is this plus the winner's knobs
     space: Space
     requests: tuple[TraceRequest, ...]
-    slo: SLO  # both targets set
+    slo: SLO  # at least one target set
     storage: str
     study_name: str
     out_dir: Path
@@ -83,8 +89,8 @@ class TuneSpec:
     baseline: str | None = None  # "vllm-grid": vLLM auto_tune's 8 configs join the study
     workers: int = 1  # sim: processes; replay: one per --url
     urls: tuple[str, ...] = ()  # replay with several engines: worker i drives urls[i]
-    variants: tuple[Variant, ...] = ()  # robustness: the top configs re-run on each
-    robust_top: int = 3
+    holdout: tuple[Window, ...] = ()  # held-out windows the recommendation is chosen on
+    holdout_top: int = 3  # the study's top configs run on them beside the baselines
     heartbeat_s: int = HEARTBEAT_S
     recheck: int = 3  # shadow: the best configs re-checked on the study's captured traffic
 
@@ -93,8 +99,9 @@ class TuneSpec:
         check_objective(self.objective)
         if self.objective == "capacity" and self.requests:
             mean_rate(self.requests)  # raises for a workload with no arrival span
-        if self.slo.ttft_s is None or self.slo.itl_s is None:
-            raise ValueError("both SLOs are needed: --slo-ttft-p99 S and --slo-itl-p99 S")
+        if self.slo.unset:
+            raise ValueError("give at least one SLO: --slo-ttft-p99 S, --slo-tpot-p99 S, "
+                             "--slo-itl-p99 S")
         if not self.requests:
             raise ValueError("the workload produced no requests; raise --duration or --rate")
         if self.trials is None and self.timeout_s is None:
@@ -104,6 +111,7 @@ class TuneSpec:
         check_positive_int("--workers", self.workers)
         check_positive_int("--heartbeat", self.heartbeat_s)
         check_int("--recheck", self.recheck, low=0, high=MAX_RECHECK)
+        check_positive_int("--holdout-top", self.holdout_top)
         if self.baseline is not None:
             check_choice("--baseline", self.baseline, BASELINES)
             missing = [k for k in VLLM_GRID_KNOBS if k not in self.space]
@@ -124,7 +132,7 @@ class TuneSpec:
             [[r.arrival, r.prompt_tokens, r.output_tokens, r.tenant, r.priority]
              for r in self.requests]).encode()).hexdigest()[:16]
         value = {"mode": self.mode, "objective": self.objective,
-                 "slo": [self.slo.ttft_s, self.slo.itl_s, self.slo.target],
+                 "slo": [self.slo.ttft_s, self.slo.tpot_s, self.slo.itl_s, self.slo.target],
                  "space": self.space.describe(), "requests": len(self.requests),
                  "requests_sha256": digest, "workload": self.workload,
                  "baseline": self.baseline, "base": prepared_base.to_dict()}

@@ -42,6 +42,7 @@ from optuna.trial import FrozenTrial, TrialState
 from engine.config import EngineConfig
 from tuner.baselines import baseline_params
 from tuner.evaluate import Evaluator
+from tuner.holdout import run_holdout
 from tuner.outcome import (
     StudyOutcome,
     TrialRow,
@@ -52,47 +53,89 @@ from tuner.outcome import (
     value_text,
 )
 from tuner.progress import Progress
-from tuner.robustness import recommend, run_robustness
 from tuner.runners import RUNNERS, TrialRunner
+from tuner.space import build_config
 from tuner.spec import FINGERPRINT_TEXT, TuneSpec, optuna_storage_url
+from tuner.study_lock import (
+    SQLITE_ENGINE_KWARGS,
+    database_lock,
+    immediate_transactions,
+    storage_text,
+)
 
 
 def open_storage(spec: TuneSpec) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage on the study's URL, with heartbeats: a trial whose worker stopped
-    beating for two intervals is failed and re-run once, with the same knobs."""
+    beating for two intervals is failed and re-run once, with the same knobs. Opened under
+    the database's lock: processes that open a new database at once would each create
+    Optuna's tables, and all but one fail. On SQLite every transaction takes the write lock
+    as it begins (`tuner.study_lock.immediate_transactions`), or two workers could run the
+    same waiting trial."""
+    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import SQLAlchemyError
 
     url = optuna_storage_url(spec.storage)
+    sqlite = make_url(url).get_backend_name() == "sqlite"
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), database_lock(url, "optuna tables"):
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(
-                url, heartbeat_interval=spec.heartbeat_s, grace_period=2 * spec.heartbeat_s,
+            storage = optuna.storages.RDBStorage(
+                url, engine_kwargs=dict(SQLITE_ENGINE_KWARGS) if sqlite else None,
+                heartbeat_interval=spec.heartbeat_s, grace_period=2 * spec.heartbeat_s,
                 heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
                     max_retry=1))
-    except (SQLAlchemyError, ImportError) as exc:
+        if sqlite:
+            immediate_transactions(storage.engine)
+        return storage
+    except (SQLAlchemyError, ImportError, OSError) as exc:  # OSError: SQLite's lock file
         cause = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         hint = "; does its directory exist?" if url.startswith("sqlite") else ""
-        raise ValueError(f"--storage {spec.storage}: cannot open the database ({cause}){hint}") \
-            from None
+        raise ValueError(f"--storage {storage_text(spec.storage)}: cannot open the database "
+                         f"({cause}){hint}") from None
 
 
 def run_study(spec: TuneSpec, progress: Progress | None = None) -> StudyOutcome:
     """Run the study named in `spec` until it holds `spec.trials` finished trials (or for
-    `spec.timeout_s`), creating or resuming it, over `spec.workers` workers; then re-run the
-    top configs on the other workload variants (shadow mode: re-check the best ones on the
-    study's captured traffic, `tuner.recheck`) and write best.yaml, trials.csv and reports."""
+    `spec.timeout_s`), creating or resuming it, over `spec.workers` workers; then choose the
+    recommendation on the held-out windows (`tuner.holdout`; shadow mode: re-check the best
+    ones on the study's captured traffic, `tuner.recheck`) and write best.yaml, trials.csv
+    and reports."""
+    runner = _runner(spec, 0)
+    prepared = runner.prepare(spec.base)
+    if spec.mode == "replay":  # the engine's own config is the base and the default trial
+        spec = dataclasses.replace(spec, base=prepared)
+    winner = None
+    try:
+        outcome = _run(spec, runner, prepared, progress)
+        if outcome.best is not None:
+            winner = build_config(prepared, outcome.best.params)
+        return outcome
+    finally:
+        _finish(runner, winner, progress)
+
+
+def _finish(runner: TrialRunner, winner: EngineConfig | None,
+            progress: Progress | None) -> None:
+    """The runner puts back what the study changed; a failure to is said, never raised over
+    the study's own outcome or error."""
+    try:
+        runner.finish(winner)
+    except ValueError as exc:
+        if progress is not None:
+            progress.note(f"fairgate tune: could not restore the engine: {exc}")
+
+
+def _run(spec: TuneSpec, runner: TrialRunner, prepared: EngineConfig,
+         progress: Progress | None) -> StudyOutcome:
     from tuner.recheck import run_recheck
     from tuner.study_report import write_outputs
 
-    runner = _runner(spec, 0)
-    prepared = runner.prepare(spec.base)
     baselines = baseline_params(spec, prepared)  # checked before the storage is touched
     study = _open_study(spec, prepared, open_storage(spec), baselines)
     if progress is not None:
         earlier = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         progress.started = progress.done = earlier
-        progress.note(f"fairgate tune: study {spec.study_name} on {spec.storage}"
+        progress.note(f"fairgate tune: study {spec.study_name} on {storage_text(spec.storage)}"
                  + (f", resumed with {earlier} trials done" if earlier else "")
                  + f"; {len(spec.requests)} requests per trial"
                  + (f"; {spec.workers} workers" if spec.workers > 1 else ""))
@@ -108,11 +151,12 @@ def run_study(spec: TuneSpec, progress: Progress | None = None) -> StudyOutcome:
                           "they left")
         _settle_running(spec, study, progress)
         _optimize(spec, study, runner, prepared, worker=0, progress=progress)
-    robustness = run_robustness(spec, study, runner, prepared, progress)
+    selection = run_holdout(spec, study, runner, prepared, progress)
     rows = [TrialRow.of(t) for t in study.get_trials(deepcopy=False)]
-    outcome = StudyOutcome(spec.study_name, rows, recommend(rows, robustness),
-                           baseline_row(rows, "default"),
-                           robustness=robustness,
+    best = best_row(rows) if selection is None else next(
+        r for r in rows if r.number == selection.chosen.number)
+    outcome = StudyOutcome(spec.study_name, rows, best, baseline_row(rows, "default"),
+                           selection=selection,
                            front=pareto_front(rows) if spec.multi_objective else [])
     if spec.mode == "shadow" and spec.recheck > 0:
         outcome = dataclasses.replace(outcome, recheck=run_recheck(
@@ -137,33 +181,58 @@ def _runner(spec: TuneSpec, worker: int) -> TrialRunner:
 
 def _open_study(spec: TuneSpec, prepared: EngineConfig, storage: optuna.storages.BaseStorage,
                 baselines: Sequence[tuple[str, dict[str, Any]]]) -> optuna.Study:
+    """Create or load the study. Under the study's lock (`tuner.study_lock`), so of the
+    processes that open it at once exactly one sets it up: its fingerprint, its objectives'
+    names (optuna-dashboard's and trials_dataframe's columns: trials.csv's), and its baselines,
+    enqueued once per study (`user_attrs["baselines"]` says it is done: a resumed study, or a
+    process joining a running one, enqueues none again)."""
+    from tuner.study_report import value_column
+
     directions: list[optuna.study.StudyDirection] = [optuna.study.StudyDirection.MAXIMIZE]
+    names = [value_column(spec)]
     if spec.multi_objective:
         directions.append(optuna.study.StudyDirection.MINIMIZE)
-    study = optuna.create_study(storage=storage, study_name=spec.study_name,
-                                directions=directions, load_if_exists=True)
-    fingerprint = spec.fingerprint(prepared)
-    stored = study.user_attrs.get("spec")
-    if stored is None:
-        study.set_user_attr("spec", fingerprint)
-    elif stored != fingerprint:
-        keys = [k for k in fingerprint if stored.get(k) != fingerprint[k]]
-        if "requests" in keys and "requests_sha256" in keys:
-            keys.remove("requests_sha256")
-        differ = ", ".join(FINGERPRINT_TEXT.get(k, k) for k in keys)
-        raise ValueError(f"study {spec.study_name!r} was made with a different {differ}; "
-                         "resume it with the same options or pick a new --study name")
-    for label, params in baselines:
-        study.enqueue_trial(params, user_attrs={"baseline": label}, skip_if_exists=True)
+        names.append("p99_ttft_s")
+    with database_lock(spec.storage, f"study {spec.study_name}"):
+        study = optuna.create_study(storage=storage, study_name=spec.study_name,
+                                    directions=directions, load_if_exists=True)
+        fingerprint = spec.fingerprint(prepared)
+        stored = study.user_attrs.get("spec")
+        if stored is None:
+            study.set_user_attr("spec", fingerprint)
+        elif stored != fingerprint:
+            keys = [k for k in fingerprint if stored.get(k) != fingerprint[k]]
+            if "requests" in keys and "requests_sha256" in keys:
+                keys.remove("requests_sha256")
+            differ = ", ".join(FINGERPRINT_TEXT.get(k, k) for k in keys)
+            raise ValueError(f"study {spec.study_name!r} was made with a different {differ}; "
+                             "resume it with the same options or pick a new --study name")
+        if study.metric_names != names:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names(names)
+        if "baselines" not in study.user_attrs:
+            for label, params in baselines:  # skip_if_exists: a study from before the mark
+                study.enqueue_trial(params, user_attrs={"baseline": label}, skip_if_exists=True)
+            study.set_user_attr("baselines", [label for label, _ in baselines])
     return study
 
 
 def _sampler(spec: TuneSpec, study: optuna.Study, worker: int) -> optuna.samplers.BaseSampler:
-    """TPE, reseeded past the study's trials (a resumed study does not replay the first run's
-    samples) and per worker; the constant liar keeps parallel workers apart."""
-    done = len(study.get_trials(deepcopy=False))
-    return optuna.samplers.TPESampler(seed=spec.seed + done + 7919 * worker, multivariate=True,
-                                      constant_liar=spec.workers > 1)
+    """Multivariate TPE with the constant liar (a trial running in any process counts as a
+    poor result, so samplers that share the study propose apart; alone it changes nothing),
+    seeded --seed + the study's trials now + 7919 x this sampler's slot. A slot is a number
+    each sampler takes once, atomically, from the study (`user_attrs["sampler_slots"]`
+    counts them): workers and processes that join one study with the same --seed never share
+    a seed, while a study's first sampler takes slot 0, so one process with --seed N draws
+    what it always did. Counting the trials keeps a resumed study from replaying the first
+    run's samples. (`worker` is no part of the seed: the slot tells samplers apart.)"""
+    with database_lock(spec.storage, f"study {spec.study_name}"):
+        slot = study.user_attrs.get("sampler_slots", 0)
+        study.set_user_attr("sampler_slots", slot + 1)
+        done = len(study.get_trials(deepcopy=False))
+    return optuna.samplers.TPESampler(seed=spec.seed + done + 7919 * slot, multivariate=True,
+                                      constant_liar=True)
 
 
 def _optimize(spec: TuneSpec, study: optuna.Study, runner: TrialRunner, prepared: EngineConfig,
@@ -268,9 +337,12 @@ def _worker_main(spec: TuneSpec, worker: int, ready: Any) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     runner = _runner(spec, worker)
     prepared = runner.prepare(spec.base)
-    study = optuna.load_study(study_name=spec.study_name, storage=open_storage(spec))
-    ready.set()
-    _optimize(spec, study, runner, prepared, worker, progress=None)
+    try:
+        study = optuna.load_study(study_name=spec.study_name, storage=open_storage(spec))
+        ready.set()
+        _optimize(spec, study, runner, prepared, worker, progress=None)
+    finally:  # this worker's engine (replay with several) back on its own config
+        _finish(runner, None, None)
 
 
 class _ProgressLine:

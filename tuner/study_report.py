@@ -25,7 +25,8 @@ from engine.config import EngineConfig
 from tuner import recheck as recheck_table
 from tuner import report_html as html
 from tuner.engines import DEFAULT_ENGINE, engine_named
-from tuner.measures import seconds_text
+from tuner.evaluate import wilson
+from tuner.measures import MIN_TAIL_SAMPLES, min_requests, seconds_text, slo_text
 from tuner.outcome import StudyOutcome, TrialRow, best_row, pareto_front, value_text
 from tuner.spec import OBJECTIVE_TEXT, OBJECTIVE_UNIT, TuneSpec
 
@@ -83,8 +84,9 @@ def engine_flags(spec: TuneSpec, params: dict[str, Any]) -> dict[str, Any]:
 
 
 CAPACITY_COLUMNS = ("factor", "probes")  # the rate factor at capacity, probes run to find it
-CSV_MEASURES = ("p99_ttft_s", "p99_ttft_ci", "p99_itl_s", "p99_itl_ci", "good_fraction",
-                "output_tokens_per_s", "failed", "wall_s")
+CSV_MEASURES = ("p99_ttft_s", "p99_ttft_ci", "p99_tpot_s", "p99_tpot_ci", "p99_itl_s",
+                "p99_itl_ci", "gaps", "good_fraction", "output_tokens_per_s", "failed",
+                "refused", "wall_s")
 
 
 # replay/launch: the engine's own /stats over the run, beside the client's figures
@@ -163,12 +165,13 @@ def report_md(spec: TuneSpec, outcome: StudyOutcome, top: int = 10) -> str:
     lines = [f"# fairgate tune: study {outcome.study_name}", "",
              f"- mode: {spec.mode}; objective: {objective_text(spec)}",
              f"- workload: {workload_text(spec)}",
-             f"- SLOs: p99 TTFT <= {seconds_text(spec.slo.ttft_s)}, p99 ITL (TPOT) <= {seconds_text(spec.slo.itl_s)}",
+             f"- SLOs: {slo_text(spec.slo)} (TPOT per request, ITL every gap)",
+             *([f"- sample: {sample}"] if (sample := sample_text(spec)) else []),
              "- space: " + ", ".join(f"{k} {v}" for k, v in spec.space.describe().items()),
              f"- trials: {len(rows)}, feasible: {len(feasible)}"
              + (f", re-run after a worker stopped: {len(retried)}" if retried else ""), ""]
     lines += _comparison(spec, outcome)
-    lines += _robustness_md(spec, outcome)
+    lines += _holdout_md(spec, outcome)
     lines += _recheck_md(spec, outcome)
     if spec.multi_objective and outcome.front:
         lines += ["", f"## Pareto front ({len(outcome.front)} trials: output tokens/s against "
@@ -201,12 +204,25 @@ def comparison_rows(outcome: StudyOutcome) -> list[tuple[str, TrialRow]]:
 
 
 def margin_text(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
-    """How far the recommendation is ahead of the default and of the vLLM grid's best."""
+    """How far the recommendation is ahead of the default and of the vLLM grid's best: on
+    the held-out windows when there are any (the figures that chose it), else on the study's
+    own window; and whether the objective could tell the configs apart at all."""
     best = outcome.best
     if best is None or not best.value:
         return []
     unit = OBJECTIVE_UNIT[spec.objective]
-    lines = []
+    note = separation_note(spec, outcome)
+    lines = [f"- {note}"] if note else []
+    if outcome.selection is not None:
+        selection = outcome.selection
+        lines.append(f"- {selection.verdict(unit)}")
+        for held in selection.checked:
+            if held.role != "search" and held is not selection.chosen and held.value > 0:
+                lines.append(f"- held out: {selection.chosen.value / held.value:.2f}x the "
+                             f"{held.role} (#{held.number}): {selection.chosen.value:.4g} "
+                             f"against {held.value:.4g} {unit}")
+        return lines
+    lines.append("- on the study's own window (no held-out check):")
     for name, other in (("the default", outcome.default), ("the best vLLM grid config",
                                                           best_row(outcome.grid))):
         if other is None:
@@ -228,7 +244,7 @@ def margin_text(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
 def _comparison(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
     shown = comparison_rows(outcome)
     if outcome.best is None:
-        lines = ["**No trial met both SLOs**: no best.yaml was written. Loosen the SLOs, widen "
+        lines = ["**No trial met the SLOs**: no best.yaml was written. Loosen the SLOs, widen "
                  "the space or lower the rate."]
         if shown:
             lines += ["", "## The baselines", ""]
@@ -240,30 +256,88 @@ def _comparison(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
     return lines + ([""] + margins if margins else [])
 
 
-def _robustness_md(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
-    if not outcome.robustness:
-        return []
+def holdout_table(spec: TuneSpec, outcome: StudyOutcome) -> list[list[str]]:
+    """The held-out windows: each checked config's objective and 95% interval per window."""
+    selection = outcome.selection
+    assert selection is not None
+    labels = [w.label for w in spec.holdout]
     unit = OBJECTIVE_UNIT[spec.objective]
-    labels = [v.label for v in spec.variants]
-    lines = ["", f"## Robustness: the top {len(outcome.robustness)} configs on other slices "
-             "and seeds of the workload", "",
-             "The recommendation is the best worst case (configs that missed the SLOs on a "
-             "variant rank last).", "",
-             "| trial | study | " + " | ".join(labels) + " | worst | moved |",
-             "|" + " --- |" * (len(labels) + 4)]
-    for r in outcome.robustness:
-        cells = [f"#{r.number}", f"{r.value:.4g}"] + [
-            f"{r.values.get(label, 0.0):.4g}" + (" (missed)" if label in r.missed else "")
-            for label in labels] + [f"{r.worst:.4g} {unit}", f"{r.moved:+.1%}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    best = outcome.best
-    chosen = next((r for r in outcome.robustness if best and r.number == best.number), None)
-    if chosen is not None:
-        lines += ["", f"The recommended trial #{chosen.number}'s objective moved "
-                  f"{chosen.moved:+.1%} from the study's workload to its worst variant."]
-        for label, why in chosen.missed.items():
-            lines.append(f"- on {label} it missed the SLOs: {why}")
-    return lines
+    rows = [["", "trial", "train window", *labels, f"held-out mean {unit} (95% CI)"]]
+    for held in selection.checked:
+        name = ("recommended " if held is selection.chosen else "") + held.role
+        rows.append([name, f"#{held.number}", f"{held.train_value:.4g}", *(
+            f"{held.values.get(label, 0.0):.4g} ({_interval(held.intervals.get(label))})"
+            + (" missed" if label in held.missed else "") for label in labels),
+            f"{held.value:.4g} ({held.low:.4g}..{held.high:.4g})"])
+    return rows
+
+
+def _interval(bounds: tuple[float, float] | None) -> str:
+    return "-" if bounds is None else f"{bounds[0]:.4g}..{bounds[1]:.4g}"
+
+
+def holdout_notes(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
+    selection = outcome.selection
+    if selection is None:
+        return []
+    notes = [selection.verdict(OBJECTIVE_UNIT[spec.objective])]
+    for held in selection.checked:
+        for label, why in held.missed.items():
+            notes.append(f"#{held.number} ({held.role}) missed the SLOs on {label}: {why}")
+    return notes
+
+
+def _holdout_md(spec: TuneSpec, outcome: StudyOutcome) -> list[str]:
+    if outcome.selection is None:
+        if spec.mode == "shadow":
+            return []
+        return ["", "No held-out windows (--holdout 0): the recommendation is the study's own "
+                "best on the one window it trained on, which may not hold on other traffic."]
+    sizes = ", ".join(f"{w.label}: {len(w.requests)} requests at {w.rate:.3g} req/s"
+                      for w in spec.holdout)
+    lines = ["", f"## Held-out windows: {len(spec.holdout)} the search never optimised on", "",
+             f"The recommendation is chosen here ({sizes}). A searched config replaces the best "
+             "baseline only when its held-out lower bound beats the baseline's held-out value; "
+             "ties go to the default.", ""]
+    lines += _markdown(holdout_table(spec, outcome))
+    notes = holdout_notes(spec, outcome)
+    return lines + ["", f"**{notes[0]}**"] + [f"- {n}" for n in notes[1:]]
+
+
+def sample_text(spec: TuneSpec) -> str:
+    """How many requests an evaluation has, and how many lie beyond its p99."""
+    if spec.mode == "shadow":
+        return ""
+    n = len(spec.requests)
+    tail = n * (1 - spec.slo.target)
+    needed = min_requests(spec.slo.target)
+    text = (f"{n} requests a window: each p99 rests on {tail:.3g} requests beyond it")
+    return text + ("" if n >= needed else
+                   f" (fewer than {MIN_TAIL_SAMPLES}: noise may pick the winner; "
+                   f"{needed} requests would carry it)")
+
+
+def separation_note(spec: TuneSpec, outcome: StudyOutcome) -> str | None:
+    """Said when the objective cannot tell the top configs apart at the workload's rate:
+    at a rate every good config serves, goodput (and throughput) is the offered rate."""
+    if spec.objective not in ("goodput", "pareto") or spec.mode == "shadow":
+        return None
+    feasible = [r for r in outcome.rows if r.feasible and r.value]
+    best = outcome.top
+    if best is None or len(feasible) < 3 or not best.value:
+        return None
+    if spec.objective == "goodput":
+        n, fraction = len(spec.requests), (best.measures or {}).get("good_fraction") or 1.0
+        floor = best.value * wilson(round(fraction * n), n)[0] / fraction
+    else:
+        floor = best.value * 0.99
+    tied = [r for r in feasible if (r.value or 0.0) >= floor]
+    if len(tied) * 2 < len(feasible):
+        return None
+    return (f"{len(tied)} of {len(feasible)} feasible trials are within noise of the best "
+            f"({spec.objective} at the workload's rate: nearly every config serves what is "
+            "offered), so the objective cannot separate them here; --objective capacity "
+            "measures how far each config can go")
 
 
 RECHECK_TITLE = "Re-check on the captured traffic: live shadow, replay and sim"
@@ -305,7 +379,7 @@ def _table_cells(spec: TuneSpec, rows: Sequence[TrialRow],
         label = [names[i]] if names else []
         out.append([*label, f"#{row.number}", *(_knob(row.params.get(k, "")) for k in knobs),
                     f"{row.value or 0:.4g}", *(_cell((row.capacity or {}).get(n)) for n in extra),
-                    _with_ci(m, "p99_ttft"), _with_ci(m, "p99_itl"),
+                    _with_ci(m, "p99_ttft"), _with_ci(m, "p99_tpot"), _with_ci(m, "p99_itl"),
                     "feasible" if row.feasible else (row.infeasible or row.state.lower())])
     return out
 
@@ -315,7 +389,8 @@ def _table_header(spec: TuneSpec, names: Sequence[str] = ()) -> list[str]:
     return [*([""] if names else []), "trial", *spec.space,
             ("SLO attainment vs live" if spec.mode == "shadow"
              else f"{spec.objective} {OBJECTIVE_UNIT[spec.objective]}"),
-            *(f"rate {name}" for name in extra), "p99 TTFT (95% CI)", "p99 ITL (95% CI)",
+            *(f"rate {name}" for name in extra), "p99 TTFT (95% CI)", "p99 TPOT (95% CI)",
+            "p99 ITL (95% CI)",
             "result"]
 
 
@@ -332,10 +407,10 @@ def _markdown(table: Sequence[Sequence[str]]) -> list[str]:
 
 
 def _with_ci(m: dict[str, Any], name: str) -> str:
-    if f"{name}seconds_text" not in m:
+    if f"{name}_s" not in m:
         return "-"
     low, high = m.get(f"{name}_ci") or (None, None)
-    return f"{seconds_text(m[f'{name}seconds_text'])} ({seconds_text(low)}..{seconds_text(high)})"
+    return f"{seconds_text(m[f'{name}_s'])} ({seconds_text(low)}..{seconds_text(high)})"
 
 
 # ----------------------------------------------------------------------------- report.html
@@ -360,7 +435,7 @@ def report_html(spec: TuneSpec, outcome: StudyOutcome, study: optuna.Study | Non
                          + (html.list_html(m.removeprefix("- ") for m in margins)
                             if margins else "")))
     else:
-        sections.append(("No trial met both SLOs", "<p>No best.yaml was written. Loosen the "
+        sections.append(("No trial met the SLOs", "<p>No best.yaml was written. Loosen the "
                          "SLOs, widen the space or lower the rate.</p>"))
     history = [html.HistoryPoint(r.number, r.value, r.feasible, r.baseline) for r in rows
                if r.state == "COMPLETE"]
@@ -377,16 +452,10 @@ def report_html(spec: TuneSpec, outcome: StudyOutcome, study: optuna.Study | Non
     if importances:
         sections.append(("Parameter importances", html.bar_chart(
             sorted(importances.items(), key=lambda kv: -kv[1]), "importance (PED-ANOVA)")))
-    if outcome.robustness:
-        labels = [v.label for v in spec.variants]
-        sections.append(("Robustness", "<p>The top configs on other slices and seeds of the "
-                         "workload; the recommendation is the best worst case.</p>" +
-                         html.table_html(["trial", "study", *labels, "worst", "moved"], [
-                             [f"#{r.number}", f"{r.value:.4g}",
-                              *(f"{r.values.get(v, 0.0):.4g}" + (" (missed)" if v in r.missed
-                                                                else "") for v in labels),
-                              f"{r.worst:.4g} {unit}", f"{r.moved:+.1%}"]
-                             for r in outcome.robustness])))
+    if outcome.selection is not None:
+        table = holdout_table(spec, outcome)
+        sections.append(("Held-out windows", html.table_html(table[0], table[1:])
+                         + html.list_html(holdout_notes(spec, outcome))))
     if outcome.recheck is not None:
         sections.append((RECHECK_TITLE, _recheck_html(spec, outcome)))
     feasible = sorted((r for r in rows if r.feasible), key=lambda r: -(r.value or 0))

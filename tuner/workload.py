@@ -141,7 +141,9 @@ Workload = Synthetic | TraceReplay
 class LoadShape:
     """When requests arrive. `rate` None = the workload's own (a trace's timestamps, or a
     synthetic workload's default rate); `speed` replays a trace k times faster; `start` slices
-    a trace from that many trace-seconds in; `arrivals="trace"` keeps a trace's timestamps."""
+    a trace from that many trace-seconds in, and `window` to that many trace-seconds from
+    there (then `rate` is the mean over the window: its requests over its length);
+    `arrivals="trace"` keeps a trace's timestamps."""
 
     rate: float | None = None
     duration: float | None = 60.0
@@ -151,6 +153,7 @@ class LoadShape:
     speed: float = 1.0
     start: float = 0.0
     seed: int = 0
+    window: float | None = None
 
     def __post_init__(self) -> None:
         if self.arrivals is not None:
@@ -159,8 +162,11 @@ class LoadShape:
             check_number("rate", self.rate, low=0, open_low=True)
         check_number("burstiness", self.burstiness, low=0, open_low=True)
         check_number("speed", self.speed, low=0, open_low=True)
-        if self.duration is None and self.num_requests is None:
-            raise ValueError("give a duration or a number of requests (or both)")
+        check_number("start", self.start, low=0)
+        if self.window is not None:
+            check_number("window", self.window, low=0, open_low=True)
+        if self.duration is None and self.num_requests is None and self.window is None:
+            raise ValueError("give a duration, a number of requests or a trace window")
 
 
 @dataclass(frozen=True)
@@ -417,12 +423,23 @@ def _synthetic(w: Synthetic, shape: LoadShape) -> list[TraceRequest]:
 
 
 def _replay(w: TraceReplay, shape: LoadShape) -> list[TraceRequest]:
-    trace = [r for r in load_trace(w.path, w.format) if r.arrival >= shape.start]
+    end = math.inf if shape.window is None else shape.start + shape.window
+    trace = [r for r in load_trace(w.path, w.format) if shape.start <= r.arrival < end]
     if not trace:
-        raise ValueError(f"trace {w.path} has no requests after {shape.start} s")
-    t0 = trace[0].arrival
+        raise ValueError(f"trace {w.path} has no requests " + (
+            f"after {shape.start:g} s" if shape.window is None
+            else f"from {shape.start:g} s to {end:g} s"))
+    t0 = trace[0].arrival if shape.window is None else shape.start
     span = trace[-1].arrival - t0
     native_rate = (len(trace) - 1) / span if span > 0 else math.inf
+    if shape.window is not None:
+        native_rate = len(trace) / shape.window
+    elif shape.rate is not None and shape.duration is not None and (
+            shape.arrivals or "trace") == "trace" and not math.isinf(shape.rate):
+        # --rate R for --duration D: the next R x D requests, replayed over D seconds, so R
+        # is their mean rate (not the rest of the trace's, which a cut to D would distort)
+        trace = trace[:max(1, math.ceil(shape.rate * shape.duration - 1e-9))]
+        native_rate = len(trace) / (max(trace[-1].arrival - t0, 1e-6) * (1 + 1e-9) + 1e-9)
     process = shape.arrivals or "trace"
     if process == "trace":
         # A rate override rescales time, so the trace's bursts keep their shape.

@@ -90,12 +90,11 @@ def test_an_engine_without_a_readable_config_is_one_line(engine_url: str) -> Non
         runner.prepare(EngineConfig())
 
 
-@pytest.mark.xfail(strict=True, reason="until the study calls runner.finish (issue 24)")
 def test_fairgate_tune_puts_the_engine_back(tmp_path: Path, engine_url: str) -> None:
     space = tmp_path / "space.yaml"
     space.write_text("max_num_seqs: {low: 2, high: 64, log: true}\n")
     assert main(["tune", "--mode", "replay", "--url", engine_url, "--workload", "uniform",
-                 "--rate", "10", "--duration", "1", "--slo-ttft-p99", "2", "--slo-itl-p99",
+                 "--rate", "10", "--duration", "1", "--slo-ttft-p99", "2", "--slo-tpot-p99",
                  "0.5", "--space", str(space), "--trials", "2", "--storage",
                  f"sqlite:///{tmp_path / 'studies.db'}", "--out", str(tmp_path / "out")]) == 0
     assert live_seqs(engine_url) == 32

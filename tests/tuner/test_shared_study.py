@@ -163,10 +163,6 @@ def test_infeasible_trials_are_infeasible_through_optunas_api(tmp_path: Path) ->
     assert study.best_trial.number == 0  # the infeasible ones never win
 
 
-@pytest.mark.xfail(strict=True, reason="optuna-dashboard (0.20, 0.21) reads only the list that "
-                   "system attr 'constraints' holds; Optuna 5's trial.set_constraint writes "
-                   "'constraints:<name>' keys, so the dashboard shows every trial feasible "
-                   "until tuner/evaluate.py also stores the list")
 def test_infeasible_trials_are_infeasible_in_optuna_dashboard(tmp_path: Path) -> None:
     study = infeasible_study(tmp_path)
     for trial in study.get_trials(states=(TrialState.COMPLETE,)):

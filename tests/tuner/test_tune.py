@@ -21,7 +21,7 @@ from tuner.traces import TraceRequest
 from tuner.workload import LoadShape, MixSpec, TenantMix, build_mix, get_workload
 
 WORKLOAD = ["--workload", "uniform", "--rate", "10", "--duration", "4"]  # 36 requests
-SLOS = ["--slo-ttft-p99", "0.5", "--slo-itl-p99", "0.05"]
+SLOS = ["--slo-ttft-p99", "0.5", "--slo-tpot-p99", "0.05"]
 
 
 def tune(tmp_path: Path, *extra: str, study: str = "s", space: str | None = None,
@@ -87,15 +87,20 @@ def test_a_config_that_cannot_start_is_infeasible(tmp_path: Path) -> None:
 
 def test_an_impossible_slo_leaves_every_trial_infeasible(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    slos = ["--slo-ttft-p99", "0.000001", "--slo-itl-p99", "0.05"]
+    slos = ["--slo-ttft-p99", "0.000001", "--slo-tpot-p99", "0.05"]
     workload = ["--workload", "uniform", "--rate", "20", "--duration", "4"]  # > 50: early stop
     assert tune(tmp_path, "--trials", "2", slos=slos, workload=workload) == 1
     rows = read_trials(tmp_path)
     assert len(rows) == 2 and all(r["infeasible"] for r in rows)
-    assert all(r["infeasible"].startswith("stopped early:") for r in rows if r["ran"] == "True")
+    # the real cause first: a trial whose max_model_len refused requests says so
+    for row in rows:
+        if row["ran"] == "True":
+            assert "stopped early:" in row["infeasible"]
+            assert ("refused" in row["infeasible"].split("stopped early:")[0]) == (
+                int(row["refused"]) > 0)
     assert not (tmp_path / "out" / "best.yaml").exists()
-    assert "No trial met both SLOs" in (tmp_path / "out" / "report.md").read_text()
-    assert "no trial met both SLOs" in capsys.readouterr().err.splitlines()[-1]
+    assert "No trial met the SLOs" in (tmp_path / "out" / "report.md").read_text()
+    assert "no trial met the SLOs" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_study_resumes(tmp_path: Path) -> None:
@@ -113,7 +118,7 @@ def test_resuming_with_other_options_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert tune(tmp_path, "--trials", "1", study="fixed") == 0
     capsys.readouterr()
-    slos = ["--slo-ttft-p99", "0.4", "--slo-itl-p99", "0.05"]
+    slos = ["--slo-ttft-p99", "0.4", "--slo-tpot-p99", "0.05"]
     assert tune(tmp_path, "--trials", "1", study="fixed", slos=slos) == 2
     assert "was made with a different slo" in capsys.readouterr().err
     # the same number of requests drawn with another seed is another workload
@@ -136,10 +141,10 @@ def test_resuming_with_other_options_is_refused(
 def test_a_run_with_no_winner_leaves_no_old_best_yaml(tmp_path: Path) -> None:
     assert tune(tmp_path, "--trials", "2", study="a") == 0
     assert (tmp_path / "out" / "best.yaml").exists()
-    impossible = ["--slo-ttft-p99", "0.0001", "--slo-itl-p99", "0.0001"]
+    impossible = ["--slo-ttft-p99", "0.0001", "--slo-tpot-p99", "0.0001"]
     assert tune(tmp_path, "--trials", "1", study="b", slos=impossible) == 1
     assert not (tmp_path / "out" / "best.yaml").exists()
-    assert "No trial met both SLOs" in (tmp_path / "out" / "report.md").read_text()
+    assert "No trial met the SLOs" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_an_out_path_that_is_a_file_is_refused_before_any_trial(
@@ -163,7 +168,7 @@ BAD_INPUTS = [
      "--baseline vllm-grid 128x512 has max_num_seqs 128, not among the choices {32, 64}"),
     ([], "num_kv_blocks: {low: 256, high: 4096}\n", "the base config leaves num_kv_blocks unset"),
     ([], "policy: {choices: [sjf, prefix]}\n", "has policy 'fcfs', not among the choices"),
-    (["--robustness", "-1"], None, "--robustness must be in [0, 16]"),
+    (["--robustness", "-1"], None, "--holdout must be in [0, 16]"),
     (["--set", "max_num_seq=8"], None, "did you mean max_num_seqs?"),
     (["--trials", "0"], None, "--trials must be a positive integer"),
     ([], "max_num_seq: {low: 8, high: 64}\n", "did you mean max_num_seqs?"),
@@ -182,9 +187,9 @@ def test_bad_input_is_one_line_and_exit_2(
 
 
 @pytest.mark.parametrize(("slos", "workload", "message"), [
-    (["--slo-ttft-p99", "0", "--slo-itl-p99", "0.05"], WORKLOAD, "--slo-ttft-p99 must be > 0"),
-    (["--slo-ttft-p99", "0.5", "--slo-itl-p99", "-1"], WORKLOAD, "--slo-itl-p99 must be > 0"),
-    (["--slo-ttft-p99", "0.5"], WORKLOAD, "--slo-itl-p99 S is required"),
+    (["--slo-ttft-p99", "0", "--slo-tpot-p99", "0.05"], WORKLOAD, "--slo-ttft-p99 must be > 0"),
+    (["--slo-ttft-p99", "0.5", "--slo-tpot-p99", "-1"], WORKLOAD, "--slo-tpot-p99 must be > 0"),
+    ([], WORKLOAD, "give at least one SLO"),
     (SLOS, ["--trace", "missing.csv"], "missing.csv"),
     (SLOS, [], "give the workload"),
 ])
@@ -220,12 +225,27 @@ def test_p99_meets_the_slo_exactly_when_attainment_does(n: int) -> None:
 
 
 def test_early_stop_past_the_error_budget() -> None:
-    stop = early_stop(200, SLO(ttft_s=0.1, itl_s=0.1))
+    stop = early_stop([TraceRequest(0.0, 8, 2)] * 200, SLO(ttft_s=0.1, tpot_s=0.1))
     miss = RequestTiming(start=0.0, token_times=(), num_output_tokens=0, end=0.0, ok=False)
     hit = RequestTiming(start=0.0, token_times=(0.01, 0.02), num_output_tokens=2, end=0.02)
     assert stop([miss, miss, hit]) is None  # 2 of 200 is the 1% a p99 allows
     reason = stop([miss, miss, miss])
+    assert reason is not None and "3 of 200 requests were refused or failed" in reason
+    slow = RequestTiming(start=0.0, token_times=(0.5, 0.51), num_output_tokens=2, end=0.51)
+    reason = early_stop([TraceRequest(0.0, 8, 2)] * 200, SLO(ttft_s=0.1))([slow] * 3)
     assert reason is not None and "3 of 200 requests missed the TTFT SLO" in reason
+
+
+def test_early_stop_counts_gaps_against_the_planned_gaps() -> None:
+    """ITL is every gap: 100 requests of 11 tokens plan 1,000 gaps, of which a p99 lets 10
+    miss; one request with 11 slow gaps is past that, though it is one request of 100."""
+    requests = [TraceRequest(0.0, 8, 11)] * 100
+    fast = RequestTiming(0.0, [0.01 * i for i in range(1, 12)], 11, 0.11)
+    slow = RequestTiming(0.0, [0.5 * i for i in range(1, 13)], 12, 6.0)  # 11 slow gaps
+    stop = early_stop(requests, SLO(itl_s=0.1))
+    assert stop([fast] * 50) is None
+    reason = stop([fast] * 50 + [slow])
+    assert reason is not None and "11 of 1000 planned gaps" in reason and "ITL" in reason
 
 
 # ----------------------------------------------------------------------------- capacity
@@ -254,7 +274,7 @@ def test_capacity_is_higher_with_more_room_and_its_point_holds(tmp_path: Path) -
     config = build_space_config(SimRunner().prepare(build_config(None, [])),
                                 {"max_num_seqs": 4})
     factor = float(tight["factor"])
-    slo = SLO(ttft_s=0.5, itl_s=0.05)
+    slo = SLO(ttft_s=0.5, tpot_s=0.05)
     for scale, meets in ((factor, True), (factor * 1.2, False)):
         run = simulate(config, scale_arrivals(requests, scale))
         assert (measure(run, len(requests), slo).missed(slo) is None) is meets, scale
@@ -278,7 +298,7 @@ def test_capacity_search_brackets_and_bisects() -> None:
 
 
 def test_capacity_infeasible_when_even_the_lowest_rate_fails(tmp_path: Path) -> None:
-    slos = ["--slo-ttft-p99", "0.000001", "--slo-itl-p99", "0.05"]
+    slos = ["--slo-ttft-p99", "0.000001", "--slo-tpot-p99", "0.05"]
     assert tune(tmp_path, *CAPACITY, "--trials", "1", slos=slos) == 1
     (row,) = read_trials(tmp_path)
     assert row["ran"] == "True" and row["capacity_rps"] == "0" and row["factor"] == "0"
@@ -336,20 +356,45 @@ def test_a_storage_url_of_no_known_database_is_one_line(
     assert not (tmp_path / "out").exists()
 
 
-def test_robustness_slices_are_the_next_stretches_of_the_trace_at_the_same_speed() -> None:
+def test_held_out_windows_are_the_next_stretches_of_the_trace_at_the_same_speed() -> None:
     from fairgate.cli import build_parser
-    from fairgate.tune_cli import variants
+    from tuner.bench_cli import plan_requests
     from tuner.traces import load_trace
+    from tuner.windows import study_windows
 
     path = Path(__file__).parent / "data" / "azure_conv_head.csv"
-    args = build_parser(["tune"]).parse_args(["tune", "--trace", str(path), "--duration", "20"])
+    args = build_parser(["tune"]).parse_args(["tune", "--trace", str(path), "--window", "40",
+                                              "--start", "10"])
     args.speed = 2.0  # as a library caller may set it (the command line has --rate)
     trace = load_trace(path)
-    first, second = variants(args, 2)
-    for variant, start in ((first, 40.0), (second, 80.0)):  # 20 s at 2x: 40 trace seconds
-        assert variant.label == f"trace slice from {start:.1f} s"
-        t0 = next(r.arrival for r in trace if r.arrival >= start)
-        expected = [r for r in trace if t0 <= r.arrival < t0 + 40.0]
-        assert [r.prompt_tokens for r in variant.requests] == [r.prompt_tokens for r in expected]
-        assert [r.arrival for r in variant.requests] == pytest.approx(
-            [(r.arrival - t0) / 2 for r in expected])
+    train, (first, second) = study_windows(args, 2, 1000, plan_requests)
+    for window, start in ((train, 10.0), (first, 50.0), (second, 90.0)):
+        assert window.label == f"trace {start:.0f}-{start + 40:.0f} s"
+        expected = [r for r in trace if start <= r.arrival < start + 40.0]
+        assert [r.prompt_tokens for r in window.requests] == [r.prompt_tokens for r in expected]
+        assert [r.arrival for r in window.requests] == pytest.approx(
+            [(r.arrival - start) / 2 for r in expected])
+
+
+@pytest.mark.parametrize("window", [30.0, 60.0])
+def test_rate_is_the_mean_over_the_chosen_window(window: float) -> None:
+    """--rate R sends R requests/s on average over the window (requests over its length),
+    whatever the rest of the trace does; it used to rescale by the whole file's mean."""
+    from fairgate.cli import build_parser
+    from tuner.bench_cli import plan_requests
+    from tuner.traces import load_trace
+    from tuner.windows import study_windows
+
+    path = Path(__file__).parent / "data" / "azure_conv_head.csv"
+    args = build_parser(["tune"]).parse_args(["tune", "--trace", str(path), "--rate", "0.6",
+                                              "--window", str(window), "--start", "20"])
+    train, held = study_windows(args, 1, 1000, plan_requests)
+    native = [r for r in load_trace(path) if 20 <= r.arrival < 20 + window]
+    factor = (native[-1].arrival - 20) / train.requests[-1].arrival  # trace s per sent s
+    assert len(train.requests) == len(native)
+    assert len(native) / (window / factor) == pytest.approx(0.6)
+    assert held[0].label == f"trace {20 + window:.0f}-{20 + 2 * window:.0f} s"
+    # the held-out window replays at the same speed, so its load differs as the trace does
+    again = [r for r in load_trace(path) if 20 + window <= r.arrival < 20 + 2 * window]
+    assert held[0].requests[-1].arrival == pytest.approx(
+        (again[-1].arrival - 20 - window) / factor)

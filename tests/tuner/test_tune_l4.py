@@ -17,7 +17,7 @@ from tests.support.processes import fairgate_engine
 from tuner.measures import quantile_ci
 
 TRACE = Path(__file__).parent / "data" / "azure_conv_head.csv"
-WORKLOAD = ["--trace", str(TRACE), "--rate", "2", "--duration", "45"]  # 29 requests
+WORKLOAD = ["--trace", str(TRACE), "--rate", "0.65", "--duration", "45"]  # 30 requests
 TTFT_S, ITL_S = 2.0, 0.15
 
 
@@ -35,7 +35,7 @@ def test_l4_winner_meets_the_slos_in_the_simulator_and_on_the_real_time_engine(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     assert main(["tune", "--mode", "sim", "--set", "executor=sim", "--set", "sim_hardware=l4",
-                 *WORKLOAD, "--slo-ttft-p99", str(TTFT_S), "--slo-itl-p99", str(ITL_S),
+                 *WORKLOAD, "--slo-ttft-p99", str(TTFT_S), "--slo-tpot-p99", str(ITL_S),
                  "--trials", "16", "--robustness", "0", "--storage",
                  f"sqlite:///{tmp_path / 's.db'}", "--study", "l4", "--out", str(out)]) == 0
     err = capsys.readouterr().err
@@ -58,7 +58,7 @@ def test_l4_winner_meets_the_slos_in_the_simulator_and_on_the_real_time_engine(
                      "--slo-ttft", str(TTFT_S), "--slo-itl", str(ITL_S)]) == 0
     with open(tmp_path / "bench.csv", newline="") as f:
         served = list(csv.DictReader(f))
-    assert len(served) == 29
+    assert len(served) == 30
     ttft, itl = p99s(served)
     print(f"p99 TTFT sim {sim_ttft:.3f} s, real time {ttft:.3f} s; p99 ITL sim {sim_itl:.4f} s, "
           f"real time {itl:.4f} s")

@@ -64,7 +64,7 @@ def test_a_shadow_study_recommends_the_knobs_that_serve_the_mirrored_traffic_bet
                     ADMIN_KEY, "--shadow", "cand", "--shadow-requests", "24",
                     "--shadow-window", "60", "--set", "max_num_seqs=1", "--set",
                     "max_model_len=1024", "--space", str(space), "--slo-ttft-p99", "0.25",
-                    "--slo-itl-p99", "0.1", "--trials", "3", "--storage",
+                    "--slo-tpot-p99", "0.1", "--trials", "3", "--storage",
                     f"sqlite:///{tmp_path / 'studies.db'}", "--out", str(tmp_path / "out")])
                 targets = request_json(f"{gateway.url}/admin/shadow", ADMIN_KEY)[1]["shadows"]
             finally:

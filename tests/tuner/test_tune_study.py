@@ -22,13 +22,13 @@ from engine.sim import SimExecutor
 from fairgate.cli import main
 from tests.support import postgres
 from tests.support.processes import ROOT, wait_for_output
+from tuner.holdout import HeldOut, select
 from tuner.outcome import TrialRow, pareto_front
-from tuner.robustness import Robustness, recommend
 from tuner.space import build_config
 from tuner.spec import VLLM_GRID
 
 WORKLOAD = ["--workload", "uniform", "--rate", "10", "--duration", "4"]  # 36 requests
-SLOS = ["--slo-ttft-p99", "0.5", "--slo-itl-p99", "0.05"]
+SLOS = ["--slo-ttft-p99", "0.5", "--slo-tpot-p99", "0.05"]
 
 
 def tune(tmp_path: Path, *extra: str, storage: str | None = None, study: str = "s",
@@ -75,16 +75,71 @@ def test_the_pareto_front_is_exactly_the_undominated_feasible_trials(
     assert ttfts == sorted(ttfts)
 
 
-def test_the_recommendation_is_the_best_worst_case() -> None:
-    rows = [row(1, 10.0, 0.1), row(2, 9.0, 0.1), row(3, 8.0, 0.1)]
-    robust = [Robustness(1, 10.0, {"seed 1": 4.0}, {}),  # the study's best, fragile
-              Robustness(2, 9.0, {"seed 1": 8.5}, {}),  # the best worst case
-              Robustness(3, 8.0, {"seed 1": 9.5}, {"seed 1": "p99 TTFT 3 s > 0.5 s"})]
-    assert recommend(rows, robust) is rows[1]
-    assert robust[1].moved == pytest.approx(8.5 / 9 - 1)
-    assert recommend(rows, []) is rows[0]  # without re-runs: the study's best
-    tied = [Robustness(1, 10.0, {"seed 1": 8.0}, {}), Robustness(2, 9.0, {"seed 1": 8.0}, {})]
-    assert recommend(rows, tied) is rows[0]  # equal worst cases: the better study value
+def held(number: int, role: str, train: float, values: list[float],
+         half_width: float = 0.5) -> HeldOut:
+    labels = [f"w{i}" for i in range(len(values))]
+    return HeldOut(number, role, train, dict(zip(labels, values, strict=True)),
+                   {label: (v - half_width, v + half_width) for label, v in zip(
+                       labels, values, strict=True)}, {})
+
+
+def test_the_in_sample_winner_that_loses_held_out_is_not_recommended() -> None:
+    default = held(0, "default", 8.0, [8.0, 8.2, 7.9])
+    fragile = held(5, "search", 10.0, [6.0, 7.0, 6.5])  # the study's best on its own window
+    steady = held(7, "search", 9.0, [9.5, 9.4, 9.6])
+    selection = select([default, fragile, steady])
+    assert selection.chosen is steady and selection.gain and selection.baseline is default
+    # a searched config within noise of the default does not replace it: ties go to the default
+    close = held(7, "search", 9.0, [8.3, 8.2, 8.1])
+    selection = select([default, fragile, close])
+    assert selection.chosen is default and not selection.gain
+    assert "no significant gain" in selection.verdict("req/s")
+
+
+def test_the_grid_replaces_the_default_only_when_significantly_better() -> None:
+    default = held(0, "default", 8.0, [8.0, 8.0])
+    grid = held(1, "vllm-grid 128x512", 8.2, [8.3, 8.4])  # lower bound 7.85: a tie
+    search = held(9, "search", 9.0, [8.6, 8.7])  # lower bound 8.15 beats the default's 8.0
+    assert select([default, grid, search]).chosen is search
+    strong_grid = held(1, "vllm-grid 128x512", 9.0, [9.0, 9.0])
+    selection = select([default, strong_grid, search])
+    assert selection.chosen is strong_grid and selection.baseline is strong_grid
+    assert select([default]).chosen is default
+
+
+def test_held_out_selection_recommends_what_holds_on_traffic_the_study_did_not_see(
+        tmp_path: Path) -> None:
+    """The trace's first window has one 3,000-token prompt in 200, its later windows one in
+    ten. max_model_len 2048 refuses that one request (within a p99's budget) and so wins the
+    first window by far: no long prefill stalls the rest. On every later window it refuses
+    10% and holds at no rate. The study's own best, which the tuner recommended before, is
+    that config; the recommendation chosen on the held-out windows is the default."""
+    lines = []
+    for i in range(800):
+        long = i == 100 if i < 200 else i % 10 == 5
+        lines.append(f'{{"arrival": {i * 0.25}, "prompt_tokens": {3000 if long else 300}, '
+                     '"output_tokens": 32}\n')
+    trace = tmp_path / "shift.jsonl"
+    trace.write_text("".join(lines))
+    space = tmp_path / "space.yaml"
+    space.write_text("max_model_len: {low: 2048, high: 2049}\n")  # the default keeps 8192
+    assert main(["tune", "--mode", "sim", "--set", "executor=sim", "--set",
+                 "sim_hardware=l4", "--set", "sim_model=llama-3-8b", "--set", "max_model_len=8192", "--trace", str(trace),
+                 "--window", "50", "--holdout", "3", "--space", str(space),
+                 "--objective", "capacity", "--slo-ttft-p99", "1", "--trials", "3",
+                 "--study", "shift", "--storage", f"sqlite:///{tmp_path / 'studies.db'}",
+                 "--out", str(tmp_path / "out")]) == 0
+    rows = read_trials(tmp_path)
+    default = next(r for r in rows if r["baseline"] == "default")
+    top = max(rows, key=lambda r: float(r["capacity_rps"]))
+    assert top["max_model_len"] == "2048" and top["infeasible"] == ""
+    assert float(top["capacity_rps"]) > 1.3 * float(default["capacity_rps"])  # in-sample
+    best = yaml.safe_load((tmp_path / "out" / "best.yaml").read_text())["engine"]
+    assert best["max_model_len"] == 8192
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Held-out windows" in report and "| trace 50-100 s |" in report
+    assert "the search found no significant gain" in report
+    assert "refused: prompt plus max_tokens longer than max_model_len (2048)" in report
 
 
 def test_pareto_study_writes_its_front_and_recommends_a_point_of_it(tmp_path: Path) -> None:
@@ -93,7 +148,7 @@ def test_pareto_study_writes_its_front_and_recommends_a_point_of_it(tmp_path: Pa
     assert "throughput_tok_s" in rows[0]
     feasible = [r for r in rows if r["infeasible"] == ""]
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "## Pareto front" in report and "## Robustness" in report
+    assert "## Pareto front" in report and "## Held-out windows" in report
     best = yaml.safe_load((tmp_path / "out" / "best.yaml").read_text())["engine"]
     chosen = [r for r in feasible if int(r["max_num_seqs"]) == best["max_num_seqs"]
               and int(r["max_num_batched_tokens"]) == best["max_num_batched_tokens"]]
@@ -110,7 +165,7 @@ def test_pareto_study_writes_its_front_and_recommends_a_point_of_it(tmp_path: Pa
 def test_vllm_grid_joins_the_study_with_its_memory_fraction_probed(tmp_path: Path) -> None:
     assert tune(tmp_path, "--set", "executor=sim", "--set", "sim_hardware=l4", "--set",
                 "max_model_len=8192", "--baseline", "vllm-grid", "--trials", "10",
-                "--robustness", "0", slos=["--slo-ttft-p99", "10", "--slo-itl-p99", "0.5"]) == 0
+                "--robustness", "0", slos=["--slo-ttft-p99", "10", "--slo-tpot-p99", "0.5"]) == 0
     rows = read_trials(tmp_path)
     grid = [r for r in rows if r["baseline"].startswith("vllm-grid")]
     assert [r["baseline"] for r in grid] == [f"vllm-grid {s}x{t}" for s, t in VLLM_GRID]
@@ -131,18 +186,19 @@ def test_vllm_grid_joins_the_study_with_its_memory_fraction_probed(tmp_path: Pat
     assert "vs vLLM grid" in report and "best of vLLM grid" in report
 
 
-def test_robustness_results_are_kept_in_the_study(
+def test_held_out_results_are_kept_in_the_study(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert tune(tmp_path, "--trials", "8", "--robustness", "2", "--robust-top", "2") == 0
+    assert tune(tmp_path, "--trials", "8", "--holdout", "2", "--holdout-top", "2") == 0
     first = capsys.readouterr().err
     study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'studies.db'}")
-    kept = study.user_attrs["robustness"]
-    feasible = [t for t in study.get_trials() if t.user_attrs.get("infeasible") is None]
-    assert len(kept) == min(2, len(feasible)) == first.count("\nrobustness ")
+    kept = study.user_attrs["holdout"]
+    # the default and the top two searched configs (the default may be one of the top)
+    assert 1 <= len(kept) <= 3 and len(kept) == first.count("\nheld-out ")
     assert all(sorted(v["values"]) == ["seed 1", "seed 2"] for v in kept.values())
+    assert all(len(v["intervals"]["seed 1"]) == 2 for v in kept.values())
     # the same study again: nothing left to run or re-check
-    assert tune(tmp_path, "--trials", "8", "--robustness", "2", "--robust-top", "2") == 0
-    assert "robustness " not in capsys.readouterr().err
+    assert tune(tmp_path, "--trials", "8", "--holdout", "2", "--holdout-top", "2") == 0
+    assert "\nheld-out " not in capsys.readouterr().err
     assert "| seed 1 | seed 2 |" in (tmp_path / "out" / "report.md").read_text()
 
 

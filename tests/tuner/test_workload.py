@@ -122,9 +122,13 @@ def test_trace_speed_rate_slice_and_arrivals() -> None:
     fast = build_requests(conv, LoadShape(duration=None, num_requests=200, speed=4.0))
     assert [r.arrival for r in fast] == pytest.approx([r.arrival / 4 for r in base])
     assert [r.prompt_tokens for r in fast] == [r.prompt_tokens for r in base]
-    # A rate override rescales time: the whole trace's mean rate becomes the target.
+    # A rate override rescales time: the requests sent arrive at the target's mean rate.
     rated = build_requests(conv, LoadShape(rate=20.0, duration=1e9))
-    assert (len(rated) - 1) / rated[-1].arrival == pytest.approx(20.0)
+    assert len(rated) / rated[-1].arrival == pytest.approx(20.0)
+    # ... over the duration asked for, too: R x D requests in D seconds, whatever the rest
+    # of the trace's rate is
+    window = build_requests(conv, LoadShape(rate=0.6, duration=100.0, start=600.0))
+    assert len(window) == 60 and window[-1].arrival == pytest.approx(100.0, rel=1e-6)
     sliced = build_requests(conv, LoadShape(start=600.0, duration=None, num_requests=5))
     assert sliced[0].arrival == 0.0 and sliced[0] != base[0]
     poisson = build_requests(
