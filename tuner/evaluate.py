@@ -89,6 +89,9 @@ class Evaluator:
         if scored.live is not None:
             trial.set_user_attr("live_measures", json_safe(dataclasses.asdict(scored.live)))
         record_measures(trial, scored.measures, self.spec.slo, scored.missed)
+        if scored.missed is None and self.spec.objective != "capacity":
+            # capacity sits at the SLO by construction; its interval carries the doubt
+            trial.set_user_attr("uncertain", scored.measures.uncertain(self.spec.slo))
         if self.spec.multi_objective:
             return scored.value, min(scored.measures.p99_ttft_s, VIOLATION_CAP)
         return scored.value

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from optuna.trial import FrozenTrial
 
-from tuner.measures import seconds_text
+from tuner.measures import CONSTRAINT_TEXT, seconds_text
 from tuner.spec import OBJECTIVE_UNIT
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ class TrialRow:
     capacity: dict[str, Any] | None = None  # rate_rps, factor, probes, workload_rate_rps
     retried_from: int | None = None  # the trial of a killed worker this one re-ran
     objective: str = "goodput"
+    uncertain: tuple[str, ...] = ()  # the p99s whose interval straddles their SLO
 
     @property
     def feasible(self) -> bool:
@@ -51,7 +52,8 @@ class TrialRow:
                    value=values[0] if values else None, infeasible=attrs.get("infeasible"),
                    capacity=attrs.get("capacity"),
                    retried_from=trial.system_attrs.get("failed_trial"),
-                   objective=str(attrs.get("objective", "goodput")))
+                   objective=str(attrs.get("objective", "goodput")),
+                   uncertain=tuple(attrs.get("uncertain") or ()))
 
 
 @dataclass(frozen=True)
@@ -128,8 +130,17 @@ def describe_result(row: TrialRow) -> str:
     m = row.measures or {}
     at = " at that rate" if row.capacity is not None else ""
     text = (f"{value_text(row)}, p99 TTFT {seconds_text(m.get('p99_ttft_s'))}, "
+            f"p99 TPOT {seconds_text(m.get('p99_tpot_s'))}, "
             f"p99 ITL {seconds_text(m.get('p99_itl_s'))}{at}")
-    return text + (f", infeasible ({row.infeasible})" if row.infeasible else ", feasible")
+    if row.infeasible:
+        return f"{text}, infeasible ({row.infeasible})"
+    return f"{text}, feasible" + (f", {uncertain_text(row)}" if row.uncertain else "")
+
+
+def uncertain_text(row: TrialRow) -> str:
+    names = ", ".join(CONSTRAINT_TEXT.get(name, name) for name in row.uncertain)
+    return (f"uncertain ({names}: the 95% interval straddles the SLO; it may win only once "
+            "re-run on more requests)")
 
 
 def value_text(row: TrialRow) -> str:

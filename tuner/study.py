@@ -153,8 +153,10 @@ def _run(spec: TuneSpec, runner: TrialRunner, prepared: EngineConfig,
         _optimize(spec, study, runner, prepared, worker=0, progress=progress)
     selection = run_holdout(spec, study, runner, prepared, progress)
     rows = [TrialRow.of(t) for t in study.get_trials(deepcopy=False)]
-    best = best_row(rows) if selection is None else next(
-        r for r in rows if r.number == selection.chosen.number)
+    if selection is None:  # no held-out re-run: an uncertain trial does not win over a sure one
+        best = best_row([r for r in rows if not r.uncertain]) or best_row(rows)
+    else:  # the held-out windows re-ran it on more requests
+        best = next(r for r in rows if r.number == selection.chosen.number)
     outcome = StudyOutcome(spec.study_name, rows, best, baseline_row(rows, "default"),
                            selection=selection,
                            front=pareto_front(rows) if spec.multi_objective else [])

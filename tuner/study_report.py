@@ -27,7 +27,14 @@ from tuner import report_html as html
 from tuner.engines import DEFAULT_ENGINE, engine_named
 from tuner.evaluate import wilson
 from tuner.measures import MIN_TAIL_SAMPLES, min_requests, seconds_text, slo_text
-from tuner.outcome import StudyOutcome, TrialRow, best_row, pareto_front, value_text
+from tuner.outcome import (
+    StudyOutcome,
+    TrialRow,
+    best_row,
+    pareto_front,
+    uncertain_text,
+    value_text,
+)
 from tuner.spec import OBJECTIVE_TEXT, OBJECTIVE_UNIT, TuneSpec
 
 
@@ -125,7 +132,7 @@ def trials_csv(spec: TuneSpec, rows: Sequence[TrialRow]) -> str:
     writer.writerow(["number", "state", "baseline", "ran", *knobs, value_column(spec),
                      *(CAPACITY_COLUMNS if capacity else ()), *CSV_MEASURES,
                      *(f"engine_{name}" for name in ENGINE_COLUMNS), "retried_from",
-                     "infeasible"])
+                     "infeasible", "uncertain"])
     for row in rows:
         m = row.measures or {}
         engine = m.get("engine_stats") or {}
@@ -138,7 +145,7 @@ def trials_csv(spec: TuneSpec, rows: Sequence[TrialRow]) -> str:
                          *("" if engine.get(name) is None else _cell(engine[name])
                            for name in ENGINE_COLUMNS),
                          "" if row.retried_from is None else row.retried_from,
-                         row.infeasible or ""])
+                         row.infeasible or "", " ".join(row.uncertain)])
     return out.getvalue()
 
 
@@ -380,8 +387,14 @@ def _table_cells(spec: TuneSpec, rows: Sequence[TrialRow],
         out.append([*label, f"#{row.number}", *(_knob(row.params.get(k, "")) for k in knobs),
                     f"{row.value or 0:.4g}", *(_cell((row.capacity or {}).get(n)) for n in extra),
                     _with_ci(m, "p99_ttft"), _with_ci(m, "p99_tpot"), _with_ci(m, "p99_itl"),
-                    "feasible" if row.feasible else (row.infeasible or row.state.lower())])
+                    _result(row)])
     return out
+
+
+def _result(row: TrialRow) -> str:
+    if not row.feasible:
+        return row.infeasible or row.state.lower()
+    return "feasible" + (f", {uncertain_text(row)}" if row.uncertain else "")
 
 
 def _table_header(spec: TuneSpec, names: Sequence[str] = ()) -> list[str]:

@@ -275,3 +275,63 @@ def test_a_storage_that_cannot_be_opened_is_one_line(
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "cannot open the database" in err, err
     assert not (tmp_path / "out").exists()
+
+
+SEQS_SPACE = ("max_num_seqs: {low: 8, high: 128, log: true}\n"
+              "max_num_batched_tokens: {choices: [512, 1024, 2048]}\n")
+
+
+def test_every_config_replays_the_same_requests_on_each_held_out_window(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Common random numbers: a window's arrivals and lengths are drawn once, so configs
+    differ on it only by their knobs."""
+    from tuner import runners
+
+    seen: dict[tuple[int, float], list[tuple[tuple[float, int, int], ...]]] = {}
+
+    class Recording(runners.SimRunner):
+        def run(self, config, requests, stop):  # type: ignore[no-untyped-def]
+            key = (len(requests), round(max(r.arrival for r in requests), 6))
+            seen.setdefault(key, []).append(
+                tuple((r.arrival, r.prompt_tokens, r.output_tokens) for r in requests))
+            return super().run(config, requests, stop)
+
+    monkeypatch.setitem(runners.RUNNERS, "sim", Recording)
+    space = tmp_path / "space.yaml"
+    space.write_text(SEQS_SPACE)
+    assert tune(tmp_path, "--trials", "6", "--holdout", "2", "--holdout-top", "3",
+                "--space", str(space), slos=["--slo-ttft-p99", "0.5"]) == 0
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'studies.db'}")
+    assert len(study.user_attrs["holdout"]) >= 2  # two configs or more ran on the windows
+    draws = [runs for runs in seen.values() if len(runs) >= 3]
+    assert len(draws) >= 2 and all(len(set(runs)) == 1 for runs in draws)
+
+
+def test_an_uncertain_trial_is_marked_and_does_not_win_without_a_held_out_re_run(
+        tmp_path: Path) -> None:
+    """A TPOT target between the default's p99 and its interval's upper end: met, but not
+    surely; the trial says so, and without held-out windows a sure feasible trial wins."""
+    space = tmp_path / "space.yaml"
+    space.write_text(SEQS_SPACE)
+    longer = ["--duration", "100"]  # 1,000 requests (a later flag wins)
+    args = ["--trials", "1", "--holdout", "0", "--space", str(space), *longer]
+    assert tune(tmp_path, *args, study="probe",
+                slos=["--slo-ttft-p99", "5", "--slo-tpot-p99", "1"]) == 0
+    [probe] = read_trials(tmp_path)
+    point = float(probe["p99_tpot_s"])
+    low, high = (float(v) for v in probe["p99_tpot_ci"].split(".."))
+    assert low <= point < high  # 1,000 requests: the interval reaches past the point
+    target = (point + high) / 2
+    assert tune(tmp_path, "--trials", "6", "--holdout", "0", "--space", str(space), *longer,
+                study="doubt",
+                slos=["--slo-ttft-p99", "5", "--slo-tpot-p99", repr(target)]) == 0
+    rows = read_trials(tmp_path)
+    default = rows[0]
+    assert default["infeasible"] == "" and default["uncertain"] == "p99_tpot"
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "uncertain (p99 TPOT: the 95% interval straddles the SLO" in report
+    sure = [r for r in rows if r["infeasible"] == "" and not r["uncertain"]]
+    best = yaml.safe_load((tmp_path / "out" / "best.yaml").read_text())["engine"]
+    chosen = [r for r in rows if int(r["max_num_seqs"]) == best["max_num_seqs"] and int(
+        r["max_num_batched_tokens"]) == best["max_num_batched_tokens"]]
+    assert chosen and (not sure or all(r in sure for r in chosen))
