@@ -75,9 +75,19 @@ def register(parser: argparse.ArgumentParser) -> None:
     req.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
     req.add_argument("--model", help="default: the first id of GET /v1/models")
     req.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
-    req.add_argument("--slo-ttft", type=float, metavar="S", help="TTFT SLO in seconds (goodput)")
-    req.add_argument(
-        "--slo-itl", type=float, metavar="S", help="inter-token SLO in seconds, vs each TPOT"
+    slo = parser.add_argument_group(
+        "SLOs (vLLM's names)",
+        "goodput counts the requests within --slo-ttft and --slo-tpot, as "
+        "`vllm bench serve --goodput ttft:.. tpot:..` does; --slo-itl is reported apart",
+    )
+    slo.add_argument("--slo-ttft", type=float, metavar="S", help="each request's TTFT, seconds")
+    slo.add_argument("--slo-tpot", type=float, metavar="S", help="each request's TPOT, seconds")
+    slo.add_argument(
+        "--slo-itl",
+        type=float,
+        metavar="S",
+        help="every gap between tokens, seconds: reports the share of all gaps within S (ITL "
+        "attainment); before, this flag bounded TPOT: use --slo-tpot for that",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--json", dest="json_out", metavar="OUT", help="write the report as JSON")
@@ -96,7 +106,12 @@ def run(args: argparse.Namespace) -> int:
         write_fairgate_trace(args.save_trace, requests)
     target = Target(args.url, args.api_key, args.endpoint, args.model)
     options = RunOptions(
-        args.max_concurrency, args.slo_ttft, args.slo_itl, args.request_timeout, args.tokenizer
+        max_concurrency=args.max_concurrency,
+        slo_ttft=args.slo_ttft,
+        slo_tpot=args.slo_tpot,
+        slo_itl=args.slo_itl,
+        request_timeout=args.request_timeout,
+        tokenizer=args.tokenizer,
     )
     span = requests[-1].arrival
     print(

@@ -70,8 +70,9 @@ class Target:
 @dataclass(frozen=True)
 class RunOptions:
     max_concurrency: int | None = None  # None = open loop: every request leaves on schedule
-    slo_ttft: float | None = None  # seconds
-    slo_itl: float | None = None  # seconds, compared with each request's TPOT
+    slo_ttft: float | None = None  # seconds, each request's TTFT (goodput)
+    slo_tpot: float | None = None  # seconds, each request's TPOT (goodput)
+    slo_itl: float | None = None  # seconds, every gap between tokens (ITL attainment)
     request_timeout: float = 600.0
     tokenizer: str = "byte"  # a key of TOKENIZERS, used when no tokens_to_text is given
     salt: int | None = None  # prompt-text salt; None = random, so runs never share a cache
@@ -133,7 +134,8 @@ async def run_workload(
         "requests": len(requests),
         "max_concurrency": options.max_concurrency,
     }
-    return Report(results, duration, options.slo_ttft, options.slo_itl, config)
+    return Report(results, duration, slo_ttft=options.slo_ttft, slo_tpot=options.slo_tpot,
+                  slo_itl=options.slo_itl, config=config)
 
 
 def _requests(

@@ -4,8 +4,12 @@ The measures are defined in `protocol.measures`, as for the engine's `/stats` an
 TTFT = send to first token; ITL = every gap between two token stamps (the client stamps each token
 with the time of the network read that brought it); TPOT = (last token - first token) / (output
 tokens - 1), which is vLLM's (e2e - TTFT) / (output tokens - 1) when the last token ends the
-stream; e2e = send to last byte. A request meets the SLOs (counts toward goodput) when it
-succeeded, its TTFT is within `slo_ttft` and its TPOT is within `slo_itl`.
+stream; e2e = send to last byte.
+
+The SLOs have vLLM's names. Goodput (`vllm bench serve --goodput ttft:.. tpot:..`) counts the
+requests that succeeded with TTFT within `slo_ttft` and TPOT within `slo_tpot`. `slo_itl` bounds
+every gap instead: ITL attainment is the share of all the run's gaps within it, a failed request
+counting as misses (`RequestTiming.gaps_within`); it is not part of goodput.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from protocol.measures import SLO, RequestTiming, goodput, summarize
+from protocol.measures import SLO, RequestTiming, attainment, goodput, summarize
 
 OK = "ok"
 
@@ -58,9 +62,16 @@ class RequestResult:
         timing = self.timing
         return None if timing is None else timing.tpot
 
-    def meets(self, slo_ttft: float | None, slo_itl: float | None) -> bool:
+    def meets(self, slo: SLO) -> bool:
+        """Counts toward goodput: succeeded within `slo`'s TTFT and TPOT."""
         timing = self.timing
-        return timing is not None and timing.meets(SLO(slo_ttft, slo_itl))
+        return timing is not None and timing.meets(slo)
+
+    def gaps_within(self, slo: SLO) -> tuple[int, int]:
+        """(gaps within `slo.itl_s`, gaps): this request's part of the ITL attainment. One that
+        failed before its first token had no gap and counts one miss."""
+        timing = self.timing or RequestTiming(0.0, (), 0, 0.0, self.ok)
+        return timing.gaps_within(slo)
 
     def row(self) -> dict[str, Any]:
         itl = self.itl
@@ -103,7 +114,8 @@ class Summary:
     request_throughput: float
     output_throughput: float
     total_token_throughput: float
-    goodput: float | None
+    goodput: float | None  # None without a TTFT or TPOT target
+    itl_attainment: dict[str, int | float | None] | None  # gaps, met, fraction; None: no slo_itl
     ttft: dict[str, float | None]
     tpot: dict[str, float | None]
     itl: dict[str, float | None]
@@ -114,16 +126,15 @@ class Summary:
         cls,
         results: Sequence[RequestResult],
         duration: float,
-        slo_ttft: float | None,
-        slo_itl: float | None,
+        slo: SLO,
     ) -> Summary:
         ok = [r for r in results if r.ok]
         timings = [timing for r in ok if (timing := r.timing) is not None]
         per_s = 1.0 / duration if duration > 0 else 0.0
         inp = sum(r.prompt_tokens for r in ok)
         out = sum(r.output_tokens for r in ok)
-        has_slo = slo_ttft is not None or slo_itl is not None
-        good = goodput(timings, duration, SLO(slo_ttft, slo_itl))
+        good = goodput(timings, duration, slo)
+        per_request = slo.ttft_s is not None or slo.tpot_s is not None
         return cls(
             completed=len(ok),
             failed=dict(Counter(r.status for r in results if not r.ok).most_common()),
@@ -132,7 +143,8 @@ class Summary:
             request_throughput=len(ok) * per_s,
             output_throughput=out * per_s,
             total_token_throughput=(inp + out) * per_s,
-            goodput=good.requests_per_s if has_slo else None,
+            goodput=good.requests_per_s if per_request else None,
+            itl_attainment=itl_attainment(results, slo),
             ttft=latency_stats([r.ttft for r in ok if r.ttft is not None]),
             tpot=latency_stats([tpot for x in timings if (tpot := x.tpot) is not None]),
             itl=latency_stats([g for r in ok for g in r.itl]),
@@ -143,27 +155,37 @@ class Summary:
         return dict(self.__dict__)
 
 
+def itl_attainment(results: Sequence[RequestResult], slo: SLO) -> dict[str, Any] | None:
+    """Every gap between tokens of `results`, pooled, and how many were within `slo.itl_s`:
+    "p99 ITL <= slo_itl" holds when fraction >= 0.99. None without an ITL target."""
+    if slo.itl_s is None:
+        return None
+    met = gaps = 0
+    for r in results:
+        m, n = r.gaps_within(slo)
+        met, gaps = met + m, gaps + n
+    return {"gaps": gaps, "met": met, "fraction": attainment(met, gaps, slo.target)["fraction"]}
+
+
 @dataclass
 class Report:
     results: list[RequestResult]
     duration: float
-    slo_ttft: float | None = None
-    slo_itl: float | None = None
+    slo_ttft: float | None = None  # seconds, each request's (goodput)
+    slo_tpot: float | None = None  # seconds, each request's (goodput)
+    slo_itl: float | None = None  # seconds, every gap (ITL attainment)
     config: dict[str, Any] = field(default_factory=dict)
     total: Summary = field(init=False)
     tenants: dict[str, Summary] = field(init=False)
     errors: dict[str, str] = field(init=False)  # status -> first message seen
 
     def __post_init__(self) -> None:
-        self.total = Summary.of(self.results, self.duration, self.slo_ttft, self.slo_itl)
+        self.total = Summary.of(self.results, self.duration, self.slo)
         names = sorted({r.tenant for r in self.results})
         self.tenants = (
             {
                 name: Summary.of(
-                    [r for r in self.results if r.tenant == name],
-                    self.duration,
-                    self.slo_ttft,
-                    self.slo_itl,
+                    [r for r in self.results if r.tenant == name], self.duration, self.slo
                 )
                 for name in names
             }
@@ -176,6 +198,10 @@ class Report:
                 self.errors.setdefault(r.status, r.error)
 
     @property
+    def slo(self) -> SLO:
+        return SLO(self.slo_ttft, self.slo_tpot, self.slo_itl)
+
+    @property
     def failed(self) -> int:
         return sum(self.total.failed.values())
 
@@ -183,7 +209,7 @@ class Report:
         out: dict[str, Any] = {
             "config": self.config,
             "duration_s": self.duration,
-            "slo": {"ttft_s": self.slo_ttft, "itl_s": self.slo_itl},
+            "slo": {"ttft_s": self.slo_ttft, "tpot_s": self.slo_tpot, "itl_s": self.slo_itl},
             **self.total.to_json(),
             "errors": self.errors,
             "tenants": {name: s.to_json() for name, s in self.tenants.items()},
@@ -248,6 +274,9 @@ def format_report(report: Report) -> str:
     ]
     if t.goodput is not None:
         lines.append(_line(f"Request goodput (req/s) [{_slo_text(report)}]:", t.goodput))
+    if t.itl_attainment is not None and report.slo_itl is not None:
+        lines.append(_line(f"ITL attainment [ITL<={report.slo_itl * 1000:g}ms]:",
+                           _share_text(t.itl_attainment)))
     lines += _latency_block("Time to First Token", "TTFT", t.ttft)
     lines += _latency_block("Time per Output Token (excl. 1st token)", "TPOT", t.tpot)
     lines += _latency_block("Inter-token Latency", "ITL", t.itl)
@@ -262,9 +291,16 @@ def _slo_text(report: Report) -> str:
     parts = []
     if report.slo_ttft is not None:
         parts.append(f"TTFT<={report.slo_ttft * 1000:g}ms")
-    if report.slo_itl is not None:
-        parts.append(f"ITL<={report.slo_itl * 1000:g}ms")
+    if report.slo_tpot is not None:
+        parts.append(f"TPOT<={report.slo_tpot * 1000:g}ms")
     return " ".join(parts)
+
+
+def _share_text(share: dict[str, Any]) -> str:
+    """'98.50% (197 of 200 gaps)'; 'n/a (0 gaps)' when there were none."""
+    fraction = share["fraction"]
+    percent = "n/a" if fraction is None else f"{fraction:.2%}"
+    return f"{percent} ({share['met']} of {share['gaps']} gaps)"
 
 
 def _hint(status: str, message: str) -> str:

@@ -96,9 +96,11 @@ def through_report() -> dict[str, tuple[int, float]]:
             i, "acme", None, s.start, start=s.start, status="ok" if s.ok else "stream error",
             prompt_tokens=5, output_tokens=len(times), ttft=times[0] - s.start,
             e2e=s.end - s.start, itl=[b - a for a, b in zip(times, times[1:], strict=False)]))
-    report = Report(results, duration=4.0, slo_ttft=TARGETS.ttft_s,
-                    slo_itl=TARGETS.tpot_s)  # the report's TPOT target (tuner/report.py)
+    report = Report(results, duration=4.0, slo_ttft=TARGETS.ttft_s, slo_tpot=TARGETS.tpot_s,
+                    slo_itl=TARGETS.itl_s)
     assert report.total.goodput == pytest.approx(1 / 4.0)
+    # ITL per gap, as the gateway counts it: 3 of the successes' 5, the failed one's 2 missed
+    assert report.total.itl_attainment == {"gaps": 7, "met": 3, "fraction": pytest.approx(3 / 7)}
     rows = [row for row in report.to_json()["requests"] if row["status"] == "ok"]
     counts = {"ttft": sum(r["ttft_s"] is not None for r in rows),
               "tpot": sum(r["tpot_s"] is not None for r in rows),

@@ -35,6 +35,8 @@ def test_bench_prints_report_and_writes_files(
             *SMALL,
             "--slo-ttft",
             "1",
+            "--slo-tpot",
+            "0.5",
             "--slo-itl",
             "0.5",
             "--json",
@@ -48,9 +50,14 @@ def test_bench_prints_report_and_writes_files(
     text = capsys.readouterr().out
     assert rc == 0
     assert "Successful requests:                     6" in text
-    assert "Request goodput" in text and "Median TTFT (ms)" in text and "P99 ITL (ms)" in text
+    assert "Request goodput (req/s) [TTFT<=1000ms TPOT<=500ms]:" in text
+    assert re.search(r"ITL attainment \[ITL<=500ms\]: +100\.00% \(12 of 12 gaps\)", text)
+    assert "Median TTFT (ms)" in text and "P99 ITL (ms)" in text
     data = json.loads(out.read_text())
     assert data["completed"] == 6 and data["output_tokens"] == 6 * 3  # 128 * 0.02 ~ 3
+    assert data["slo"] == {"ttft_s": 1.0, "tpot_s": 0.5, "itl_s": 0.5}
+    assert data["goodput"] == pytest.approx(data["request_throughput"])  # every one met both
+    assert data["itl_attainment"] == {"gaps": 12, "met": 12, "fraction": 1.0}
     assert len(rows.read_text().splitlines()) == 7
     assert len(load_trace(trace)) == 6
 
@@ -114,3 +121,11 @@ def test_progress_bar_draws_one_line() -> None:
     bar(Progress(done=5, total=10, failed=1, elapsed=2.0))
     bar.close()
     assert stream.getvalue() == "\r[#####-----] 5/10, 1 failed     2.0 s\n"
+
+
+def test_bench_slo_itl_help_says_its_meaning_changed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--slo-tpot S each request's TPOT" in text
+    assert "before, this flag bounded TPOT: use --slo-tpot for that" in text

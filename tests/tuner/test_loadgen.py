@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 
 from tuner.fake_server import SCRIPT, make_fake_app
 from tuner.loadgen import BenchError, Progress, RunOptions, Target, run_workload
-from tuner.report import Report
+from tuner.report import Report, RequestResult
 from tuner.traces import TraceRequest
 
 ServerFactory = Callable[[web.Application], Awaitable[TestServer]]
@@ -151,15 +151,66 @@ async def test_report_json_csv_and_goodput(aiohttp_server: ServerFactory, tmp_pa
     # The truth is 10x the ITL SLO: the fake server catches up on a fixed schedule after a
     # stall, so under load two chunks can share a read and halve the measured TPOT.
     url = await _url(aiohttp_server, make_fake_app(ttft=0.05, itl=0.05))
-    options = RunOptions(slo_ttft=0.5, slo_itl=0.005)  # ITL SLO below the truth: no goodput
+    # a TPOT SLO below the truth: no goodput; every gap within the ITL SLO
+    options = RunOptions(slo_ttft=0.5, slo_tpot=0.005, slo_itl=1.0)
     report: Report = await run_workload(_requests(3, output=3), url, options=options)
     assert report.total.goodput == 0.0
-    loose = Report(report.results, report.duration, slo_ttft=0.5, slo_itl=0.1)
+    assert report.total.itl_attainment == {"gaps": 6, "met": 6, "fraction": 1.0}
+    loose = Report(report.results, report.duration, slo_ttft=0.5, slo_tpot=0.1)
     assert loose.total.goodput == pytest.approx(3 / report.duration)
+    assert loose.total.itl_attainment is None  # no ITL target
     report.write_json(tmp_path / "r.json")
     report.write_csv(tmp_path / "r.csv")
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["completed"] == 3 and len(data["requests"]) == 3
+    assert data["slo"] == {"ttft_s": 0.5, "tpot_s": 0.005, "itl_s": 1.0}
+    assert data["itl_attainment"] == {"gaps": 6, "met": 6, "fraction": 1.0}
     assert len(data["requests"][0]["itl_s"]) == 2
     rows = (tmp_path / "r.csv").read_text().splitlines()
     assert rows[0].startswith("index,tenant,priority") and len(rows) == 4
+
+
+def _result(i: int, tenant: str, ttft: float | None, itl: list[float],
+            status: str = "ok") -> RequestResult:
+    e2e = None if ttft is None else ttft + sum(itl)
+    return RequestResult(i, tenant, None, 0.0, status=status, output_tokens=len(itl) + 1,
+                         ttft=ttft, e2e=e2e, itl=itl)
+
+
+# TTFT 0.5 s, TPOT 50 ms, ITL 50 ms
+HAND_MADE = [
+    _result(0, "acme", 0.1, [0.02, 0.02, 0.2]),  # TPOT 80 ms misses; 2 of 3 gaps within ITL
+    _result(1, "acme", 0.1, [0.01, 0.01]),  # meets both: the one good request; 2 of 2 gaps
+    _result(2, "beta", 0.6, [0.01]),  # misses TTFT; its 1 gap is within ITL
+    _result(3, "beta", None, [], status="HTTP 429"),  # no gap: one miss for its unfinished answer
+]
+
+
+def test_goodput_is_ttft_and_tpot_per_request_itl_attainment_every_gap() -> None:
+    report = Report(HAND_MADE, duration=2.0, slo_ttft=0.5, slo_tpot=0.05, slo_itl=0.05)
+    assert report.total.goodput == pytest.approx(1 / 2.0)  # request 1 alone
+    assert report.total.itl_attainment == {"gaps": 7, "met": 5, "fraction": pytest.approx(5 / 7)}
+    assert report.tenants["acme"].itl_attainment == {"gaps": 5, "met": 4, "fraction": 0.8}
+    assert report.tenants["beta"].itl_attainment == {"gaps": 2, "met": 1, "fraction": 0.5}
+    data = report.to_json()
+    assert data["slo"] == {"ttft_s": 0.5, "tpot_s": 0.05, "itl_s": 0.05}
+    assert data["goodput"] == pytest.approx(0.5)
+    assert data["itl_attainment"] == {"gaps": 7, "met": 5, "fraction": pytest.approx(5 / 7)}
+    assert data["tenants"]["acme"]["itl_attainment"]["met"] == 4
+    text = report.format()
+    assert "Request goodput (req/s) [TTFT<=500ms TPOT<=50ms]: 0.50" in text
+    assert "ITL attainment [ITL<=50ms]:              71.43% (5 of 7 gaps)" in text
+
+
+def test_itl_target_leaves_goodput_alone() -> None:
+    """--slo-itl alone gives ITL attainment and no goodput; the TPOT that request 0 misses is
+    goodput's; a TTFT or TPOT target alone gives goodput and no ITL attainment."""
+    itl_only = Report(HAND_MADE, duration=2.0, slo_itl=0.05)
+    assert itl_only.total.goodput is None and itl_only.total.itl_attainment is not None
+    assert "Request goodput" not in itl_only.format() and "ITL attainment" in itl_only.format()
+    tpot_only = Report(HAND_MADE, duration=2.0, slo_tpot=0.05)
+    assert tpot_only.total.goodput == pytest.approx(2 / 2.0)  # requests 1 and 2
+    assert tpot_only.total.itl_attainment is None and "ITL attainment" not in tpot_only.format()
+    loose_tpot = Report(HAND_MADE, duration=2.0, slo_tpot=0.1, slo_itl=0.001)
+    assert loose_tpot.total.goodput == pytest.approx(3 / 2.0)  # strict ITL costs no goodput
+    assert loose_tpot.total.itl_attainment == {"gaps": 7, "met": 0, "fraction": 0.0}

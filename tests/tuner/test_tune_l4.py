@@ -55,7 +55,7 @@ def test_l4_winner_meets_the_slos_in_the_simulator_and_on_the_real_time_engine(
     # the same knobs, served for real: the simulated executor sleeping its step times
     with fairgate_engine("sim_clock=realtime", config=out / "best.yaml") as url:
         assert main(["bench", "--url", url, *WORKLOAD, "--csv", str(tmp_path / "bench.csv"),
-                     "--slo-ttft", str(TTFT_S), "--slo-itl", str(ITL_S)]) == 0
+                     "--slo-ttft", str(TTFT_S), "--slo-tpot", str(ITL_S)]) == 0
     with open(tmp_path / "bench.csv", newline="") as f:
         served = list(csv.DictReader(f))
     assert len(served) == 30
