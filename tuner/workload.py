@@ -439,7 +439,9 @@ def _replay(w: TraceReplay, shape: LoadShape) -> list[TraceRequest]:
         # --rate R for --duration D: the next R x D requests, replayed over D seconds, so R
         # is their mean rate (not the rest of the trace's, which a cut to D would distort)
         trace = trace[:max(1, math.ceil(shape.rate * shape.duration - 1e-9))]
-        native_rate = len(trace) / (max(trace[-1].arrival - t0, 1e-6) * (1 + 1e-9) + 1e-9)
+        covered = max(trace[-1].arrival - t0, 1e-6) * (1 + 1e-9) + 1e-9  # the last one inside
+        # the factor maps `covered` to D (or, for a trace that ends first, to its requests / R)
+        native_rate = min(shape.rate * shape.duration, len(trace)) / covered
     process = shape.arrivals or "trace"
     if process == "trace":
         # A rate override rescales time, so the trace's bursts keep their shape.
