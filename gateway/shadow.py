@@ -179,16 +179,18 @@ class ShadowMirror:
                 **paired_stats(pairs, seed)}
 
 
-SAMPLE_FIELDS = ("ttft_s", "tpot_s", "e2e_s", "output_tokens", "ok")
+SAMPLE_FIELDS = ("ttft_s", "tpot_s", "e2e_s", "output_tokens", "ok", "token_times_s")
 
 
 def samples(pairs: Sequence[Pair]) -> dict[str, Any]:
-    """Each pair's two sides, in completion order: [ttft, tpot, e2e, output tokens, ok] (the
-    tuner's shadow mode scores a trial from these)."""
+    """Each pair's two sides, in completion order: [ttft, tpot, e2e, output tokens, ok, token
+    times from the request's start (0.1 ms)] (the tuner's shadow mode scores a trial from these,
+    per-gap ITL included)."""
     def row(t: RequestTiming | None) -> list[Any]:
         if t is None:
-            return [None, None, None, 0, False]
-        return [t.ttft, t.tpot, t.e2e, t.num_output_tokens, t.ok]
+            return [None, None, None, 0, False, []]
+        return [t.ttft, t.tpot, t.e2e, t.num_output_tokens, t.ok,
+                [round(x - t.start, 4) for x in t.token_times]]
 
     return {"fields": list(SAMPLE_FIELDS), "live": [row(p.live) for p in pairs],
             "shadow": [row(p.shadow) for p in pairs]}

@@ -38,14 +38,17 @@ class ShadowRun:
 
 
 def timing_of(row: Sequence[Any]) -> RequestTiming:
-    """[ttft, tpot, e2e, output tokens, ok] (gateway.shadow.samples) as a RequestTiming on a
-    clock starting at the request's send: the first and the last token's times are exact."""
-    ttft, tpot, e2e, tokens, ok = row
+    """[ttft, tpot, e2e, output tokens, ok, token times] (gateway.shadow.samples) as a
+    RequestTiming on a clock starting at the request's send. A gateway from before the token
+    times gives five fields: then only the first and the last token's times are known, the
+    tokens between are spaced evenly, and the trial's per-gap ITL reads as its TPOT."""
+    ttft, tpot, e2e, tokens, ok = row[:5]
     if not ok or ttft is None or e2e is None:
         return RequestTiming(0.0, [], 0, float(e2e or 0.0), ok=False)
-    stamps = [float(ttft)]
-    if tpot is not None and int(tokens) >= 2:
-        stamps.append(float(ttft) + float(tpot) * (int(tokens) - 1))
+    if len(row) > 5 and row[5]:
+        return RequestTiming(0.0, [float(x) for x in row[5]], int(tokens), float(e2e), ok=True)
+    gaps = int(tokens) - 1 if tpot is not None and int(tokens) >= 2 else 0
+    stamps = [float(ttft) + float(tpot or 0.0) * i for i in range(gaps + 1)]  # evenly spaced
     return RequestTiming(0.0, stamps, int(tokens), float(e2e), ok=True)
 
 

@@ -170,3 +170,18 @@ def test_the_mirroring_paused_for_the_replays_comes_back_however_they_end(
                 gateway.url, ADMIN_KEY, "other", said.append):
             pass
     assert said == []
+
+
+def test_shadow_samples_carry_token_times_so_a_trial_scores_per_gap_itl() -> None:
+    from gateway.shadow import Pair, samples
+    from protocol.measures import SLO, RequestTiming
+    from tuner.shadow_mode import timing_of
+
+    stalled = RequestTiming(10.0, [10.1, 10.12, 10.62, 10.64], 4, 10.7)  # one 500 ms stall
+    rows = samples([Pair("acme", SLO(), live=stalled, shadow=stalled)])
+    timing = timing_of(rows["shadow"][0])
+    assert list(timing.itls) == pytest.approx([0.02, 0.5, 0.02])
+    assert timing.ttft == pytest.approx(0.1) and timing.tpot == pytest.approx(stalled.tpot)
+    # a gateway from before the token times: five fields, the gaps evenly spaced at the TPOT
+    old = timing_of(rows["shadow"][0][:5])
+    assert list(old.itls) == pytest.approx([stalled.tpot] * 3)
