@@ -1,31 +1,17 @@
-"""The Optuna study behind `fairgate tune`: one study interface, one trial runner per mode.
+"""The Optuna study behind `fairgate tune`: create or resume it, run its workers, choose.
 
 A trial: the space suggests knobs, `tuner.space.build_config` checks them before anything runs,
-the mode's `TrialRunner` replays the workload under them, and the trial's pooled p99 TTFT and
-p99 ITL (each request's TPOT, the measure `SLO.itl_s` bounds) become Optuna constraints
-(`trial.set_constraint("p99_ttft" | "p99_itl", p99 - SLO)`, feasible when <= 0; the issue's
-`constraints_func` is deprecated since Optuna 5).
-The objective, maximised, is goodput (requests/s that met both SLOs at the workload's own rate)
-or capacity (`tuner.capacity`: the highest arrival rate at which both p99s hold, probed per
-trial by replaying the same requests time-compressed). For capacity the SLOs are inside the
-objective: a trial's constraints are its p99s at the capacity point (met by construction), and
-a config that misses them even at the lowest rate is infeasible like any other.
+the mode's `TrialRunner` (`tuner.runners`) replays the train window under them, and each p99
+the SLO sets (TTFT and TPOT per request, ITL every gap: `tuner.measures`) becomes an Optuna
+constraint (`p99 - SLO`, feasible when <= 0; `tuner.evaluate`). The objective, maximised, is
+goodput, capacity or pareto's throughput against p99 TTFT (`tuner.spec.OBJECTIVES`).
 
-How infeasible trials reach Optuna: a trial is never pruned. A config known to be impossible
-before running (an `EngineConfig` rule, the model's context length), or one the runner cannot
-start (too little simulated memory), completes with goodput 0 and the largest violation of both
-constraints, so TPE learns the region is bad; `user_attrs["infeasible"]` says why and
-`user_attrs["ran"]` is False. A run stops early once more requests missed a target than its
-error budget allows (1% of the planned requests for p99): it can no longer meet that p99.
-
-p99 here is the nearest-rank order statistic, with a failed or refused request counted as an
-infinite TTFT and TPOT: then "p99 <= SLO" holds exactly when at least 99% of the requests met
-it, protocol.measures' SLO attainment definition (linear interpolation would let one failed
-request in a hundred make the p99 infinite).
-
-Modes: `RUNNERS` holds what is built: `sim` here, `replay` and `launch` in `tuner.remote` (real
-time, over HTTP; their early stop cuts the load generator's run short); a shadow runner
-implements the same `TrialRunner` protocol.
+After the search the recommendation is chosen on the held-out windows (`tuner.holdout`), and
+a shadow study is re-checked on its captured traffic (`tuner.recheck`). Several workers, in
+this process's children or on other machines, share one study through its storage: each
+takes its own sampler slot, and the baselines (`tuner.baselines`) are enqueued once, under
+the database's lock (`tuner.study_lock`). The runner puts back what the study changed when it
+ends, however it ends (replay: the engine's own config).
 """
 
 from __future__ import annotations
