@@ -1,7 +1,7 @@
 """`fairgate jobs list | show ID | cancel ID | resume ID | apply ID --backend URL`: tuning jobs
 through a gateway's admin API (`/admin/tune-jobs`), for people who prefer a terminal.
 
-    fairgate jobs create --spec job.json          (a job spec: the fields of `fairgate tune`)
+    fairgate jobs create --spec job.json|job.yaml (a job spec: `fairgate tune`'s spec fields)
     fairgate jobs list [--json]
     fairgate jobs show ID [--json]
     fairgate jobs cancel ID
@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from gateway.config import ADMIN_KEY_ENV
@@ -35,7 +34,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION")
     create = sub.add_parser("create", help="start a job from a JSON spec file")
     create.add_argument("--spec", required=True, metavar="FILE",
-                        help="the job spec (JSON): mode, workload, space, SLOs, trials, ...")
+                        help="the job spec (YAML, or JSON if it ends in .json): `fairgate "
+                        "tune`'s spec fields a job may set (mode, workload, space, SLOs, "
+                        "trials, ...), or captured_minutes")
     listing = sub.add_parser("list", help="every job: state, progress, best so far")
     show = sub.add_parser("show", help="one job with its trials")
     show.add_argument("job_id", metavar="ID")
@@ -94,11 +95,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _create(args: argparse.Namespace) -> int:
-    try:
-        spec = json.loads(Path(args.spec).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--spec {args.spec} is not JSON: {exc}") from None
-    job = _call(args, "POST", "/admin/tune-jobs", spec)
+    from tuner.options import read_spec  # the gateway checks the fields, as `fairgate tune`
+
+    job = _call(args, "POST", "/admin/tune-jobs", read_spec(args.spec))
     print(job["id"])
     return 0
 

@@ -1,14 +1,19 @@
 """Tuning jobs through the admin API: `fairgate tune` run as a worker process per job, its state
 in the database (`tenants.jobs`, beside Optuna's tables), never on the gateway's event loop.
 
-A job spec has the fields of `fairgate tune` (`parse_spec` checks each and names the one that is
-wrong). The manager runs at most `jobs.max_running` at once, oldest first, never two on one
-engine; each is `python -m fairgate tune ... --study job-ID --storage DB --out DIR` with its log
-in DIR/worker.log. Workers die with the gateway (PR_SET_PDEATHSIG, fairgate/cli.py), so a gateway that starts
-and finds a job `running` knows its worker is gone: the job becomes `interrupted`, and
-`resume` runs the same command again: the study holds every finished trial, and the trial the
-killed worker was running is re-run once with the same knobs (its heartbeat went stale), so
-nothing is lost or repeated.
+A job spec is `fairgate tune`'s spec (tuner/options.py): its body goes through the same
+`TuneOptions.from_mapping` as the command line's flags, with the fields a job may set, and a
+mistake is a 400 naming the field. `captured_minutes` is a job's own: the gateway writes that
+window of its capture as the worker's trace. Nothing is made before the spec is checked; then
+the job's folder holds spec.json (the checked spec, SLOs settled, with its study and folder)
+and the worker is `python -m fairgate tune --spec DIR/spec.json` (a shadow job adds
+`--gateway URL`: this gateway, as it is reached now), its storage and the admin key in the
+environment, its log in DIR/worker.log. The manager runs at most `jobs.max_running` at once,
+oldest first, never two on one engine. Workers die with the gateway (PR_SET_PDEATHSIG,
+fairgate/cli.py), so a gateway that starts and finds a job `running` knows its worker is gone:
+the job becomes `interrupted`, and `resume` runs the same worker on the same spec.json again:
+the study holds every finished trial, and the trial the killed worker was running is re-run
+once with the same knobs (its heartbeat went stale), so nothing is lost or repeated.
 
 Progress, the best trial and the trials table are read from the study itself (in a thread),
 so they are the same after a restart as before it.
@@ -18,18 +23,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import os
 import secrets
+import shutil
 import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -40,203 +47,153 @@ from protocol.openai import server_root
 from protocol.serving import wait_event
 from tenants.jobs import ACTIVE_STATES, JobRecord, JobStore
 
+if TYPE_CHECKING:  # tuner.options is imported when a spec is first checked (Optuna is big)
+    from tuner.options import TuneOptions
+
+Schema = dict[str, Any]
+
 log = logging.getLogger("fairgate.gateway")
-MODES = ("sim", "replay", "shadow")  # launch runs a command line: not from an HTTP API
-OBJECTIVES = ("goodput", "capacity", "pareto")
-DEFAULT_TRIALS = 20
 NO_FEASIBLE = "no trial met both SLOs"  # fairgate tune's last line when it exits 1 for that
 APPLY_ENDED = ("promoted", "rolled_back", "failed")
 LEASE_S = 10.0  # a gateway renews its running jobs this often; 3 missed: another takes over
 JOB_ID_PATTERN = "^job-[0-9a-f]{12}$"
-MAX_TRIALS = 10_000
 CANCEL_GRACE_S = 10.0  # SIGTERM, then SIGKILL
 DEFAULT_CANARY_WINDOW_S = 60.0
 DEFAULT_MIN_REQUESTS = 20
 DRAIN_TIMEOUT_S = 120.0  # a draining replica's streams get this long before it is reconfigured
 JOB_FILES = ("report.html", "report.md", "best.yaml", "trials.csv", "recheck.csv", "worker.log")
-SLO_FLAGS = {"slo_ttft_p99_s": "--slo-ttft-p99", "slo_tpot_p99_s": "--slo-tpot-p99",
-             "slo_itl_p99_s": "--slo-itl-p99"}  # `fairgate tune`'s, per spec field
-_SPEC_FIELDS = {"mode", "workload", "captured_minutes", "rate", "duration", "set", "space",
-                "slo_ttft_p99_s", "slo_tpot_p99_s", "slo_itl_p99_s", "objective", "trials", "timeout_s", "target",
-                "shadow", "shadow_requests", "shadow_window_s", "recheck", "seed", "heartbeat_s",
-                "baseline", "robustness"}
+SPEC_FILE = "spec.json"  # the worker's spec (`fairgate tune --spec`), in the job's folder
+TRACE_FILE = "trace.jsonl"  # captured_minutes: the capture's window, the worker's trace
+MAX_CAPTURED_MINUTES = 7 * 24 * 60
+CAPTURED_MINUTES: Schema = {
+    "type": "number", "exclusiveMinimum": 0, "maximum": MAX_CAPTURED_MINUTES,
+    "description": "The last N minutes of captured traffic (gateway.capture) as the workload: "
+                   "the job's trace."}
 
 
 # ---- the spec -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class JobSpec:
-    """A checked job spec: `fields` as the client sent them (stored), what the worker needs."""
+    """A checked job spec: the options its worker runs (tuner.options, the SLOs settled), the
+    captured minutes the gateway writes as its trace, and the engine it reconfigures."""
 
-    fields: dict[str, Any]
-    mode: str
-    target: str | None  # the engine it reconfigures (replay: its URL; shadow: the target's)
-    trials: int | None
-    timeout_s: float | None
+    options: TuneOptions
+    captured_minutes: float | None
+    target: str | None  # replay: its engine's root URL; shadow: the shadow target's
 
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The spec as the job's row and the API show it (every field set, defaults too)."""
+        from tuner.options import JOB
 
-def _number(fields: dict[str, Any], name: str, *, low: float = 0.0, integer: bool = False,
-            high: float = math.inf) -> Any:
-    value = fields.get(name)
-    if value is None:
-        return None
-    kind = "a whole number" if integer else "a number"
-    try:
-        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and \
-            math.isfinite(value) and (not integer or float(value).is_integer())
-    except OverflowError:  # an integer past a float's range
-        finite = False
-    if not finite:
-        raise bad_request(f"{name} must be {kind}, got {str(value)[:40]}", name)
-    if integer:
-        least = math.ceil(low) if low > 0 else 0
-        if not least <= value <= high:
-            raise bad_request(f"{name} must be a whole number from {least} to {high:g}, got "
-                              f"{value!r}", name)
-    elif not low < value <= high:
-        raise bad_request(f"{name} must be more than {low:g} and at most {high:g}, got "
-                          f"{value!r}", name)
-    fields[name] = int(value) if integer else float(value)  # as the worker's argv needs it
-    return fields[name]
+        extra = {} if self.captured_minutes is None else {
+            "captured_minutes": self.captured_minutes}
+        return {**self.options.to_mapping(JOB), **extra}
 
 
 def parse_spec(body: Any, shadows: dict[str, str],
                default_slos: Mapping[str, float]) -> JobSpec:
-    """A job spec from a POST body; ApiError 400 naming the field that is wrong. `shadows`:
-    the gateway's shadow targets (name -> engine URL); `default_slos`: the strictest tenant
-    SLOs by field name, used where the spec gives none."""
-    from tuner.space import parse_space
-    from tuner.workload import WORKLOADS
+    """A job spec from a POST body, through `fairgate tune`'s own TuneOptions.from_mapping;
+    ApiError 400 naming the field that is wrong. `shadows`: the gateway's shadow targets
+    (name -> engine URL); `default_slos`: the strictest tenant SLOs by field name, for the
+    SLOs the spec does not give."""
+    from tuner.options import OptionError
+
+    try:
+        return _parse_spec(body, shadows, default_slos)
+    except OptionError as exc:
+        raise bad_request(str(exc), exc.field or None) from None
+
+
+def _parse_spec(body: Any, shadows: dict[str, str],
+                default_slos: Mapping[str, float]) -> JobSpec:
+    from tuner.options import JOB, Number, OptionError, TuneOptions, settle_slos
 
     if not isinstance(body, dict):
-        raise bad_request("the body must be a JSON object: a job spec", None)
+        raise OptionError("", "the body must be a JSON object: a job spec")
     fields = dict(body)
-    unknown = sorted(set(fields) - _SPEC_FIELDS)
-    if unknown:
-        raise bad_request(f"unknown field {unknown[0]!r} (a job spec has: "
-                          f"{', '.join(sorted(_SPEC_FIELDS))})", unknown[0])
-    mode = fields.get("mode")
-    if mode not in MODES:
-        raise bad_request(f"mode must be one of {', '.join(MODES)} (launch runs a command line "
-                          "and is only for `fairgate tune`), got {mode!r}".replace(
-                              "{mode!r}", repr(mode)), "mode")
-    objective = fields.setdefault("objective", "goodput")
-    if objective not in OBJECTIVES:
-        raise bad_request(f"objective must be one of {', '.join(OBJECTIVES)}, got "
-                          f"{objective!r}", "objective")
-    if mode == "shadow" and objective != "goodput":
-        raise bad_request("mode shadow scores SLO attainment: objective goodput only",
-                          "objective")
-    sources = [k for k in ("workload", "captured_minutes") if fields.get(k) is not None]
-    if mode == "shadow":
-        if sources:
-            raise bad_request("mode shadow runs on mirrored live traffic: drop "
-                              f"{sources[0]}", sources[0])
-    elif len(sources) != 1:
-        raise bad_request("give one of workload (a named workload) or captured_minutes (the "
-                          "last N minutes of captured traffic)", "workload")
-    workload = fields.get("workload")
-    if workload is not None and workload not in WORKLOADS:
-        raise bad_request(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}",
-                          "workload")
-    _number(fields, "captured_minutes", high=7 * 24 * 60)
-    _number(fields, "rate")
-    _number(fields, "duration", high=86400)
-    _slos(fields, default_slos)
-    trials = _number(fields, "trials", low=0.5, high=MAX_TRIALS, integer=True)
-    timeout_s = _number(fields, "timeout_s", high=30 * 86400)
-    if trials is not None and timeout_s is not None:
-        raise bad_request("give trials or timeout_s, not both", "timeout_s")
-    if trials is None and timeout_s is None:
-        trials = fields["trials"] = DEFAULT_TRIALS
-    for name in ("shadow_requests", "recheck", "seed", "heartbeat_s", "robustness"):
-        _number(fields, name, low=0 if name in ("recheck", "seed", "robustness") else 0.5,
-                integer=True, high=1_000_000)
-    _number(fields, "shadow_window_s", high=86400)
-    baseline = fields.get("baseline")
-    if baseline is not None and baseline != "vllm-grid":
-        raise bad_request(f"baseline must be vllm-grid, got {baseline!r}", "baseline")
-    knobs = fields.get("set", {})
-    if not isinstance(knobs, dict):
-        raise bad_request("set must be an object of engine knobs {knob: value}", "set")
-    try:
-        EngineConfig.from_dict(knobs)
-    except (ValueError, TypeError) as exc:
-        raise bad_request(f"set: {exc}", "set") from None
-    space = fields.get("space")
-    if space is not None:
+    minutes = fields.pop("captured_minutes", None)
+    options = TuneOptions.from_mapping(fields, JOB)
+    if minutes is not None:
         try:
-            parse_space(space)
-        except (ValueError, TypeError) as exc:
-            raise bad_request(f"space: {exc}", "space") from None
+            minutes = Number(high=MAX_CAPTURED_MINUTES).check("captured_minutes", minutes)
+        except ValueError as exc:
+            raise OptionError("captured_minutes", str(exc)) from None
+    if options.mode == "shadow" and minutes is not None:
+        raise OptionError("captured_minutes", "mode shadow runs on the gateway's mirrored live "
+                                              "traffic: drop captured_minutes")
+    if options.mode != "shadow" and (options.workload is None) == (minutes is None):
+        raise OptionError("workload", "give one of workload (a named workload) or "
+                                      "captured_minutes (the last N minutes of captured traffic)")
     target: str | None = None
-    if mode == "replay":
-        given = fields.get("target")
-        if not isinstance(given, str) or not given.startswith(("http://", "https://")):
-            raise bad_request("mode replay needs target: the URL of the fairgate engine to "
-                              "reconfigure and replay against", "target")
-        target = server_root(given)
-    elif mode == "shadow":
-        shadow_name = fields.get("shadow")
-        if not isinstance(shadow_name, str) or shadow_name not in shadows:
-            raise bad_request(f"mode shadow needs shadow: one of the gateway's shadow targets "
-                              f"({', '.join(sorted(shadows)) or 'none configured'}), got "
-                              f"{shadow_name!r}", "shadow")
-        target = server_root(shadows[shadow_name])
-    elif fields.get("target") is not None or fields.get("shadow") is not None:
-        raise bad_request("mode sim runs in process: it has no target", "target")
-    return JobSpec(fields, mode, target, trials, timeout_s)
+    if options.mode == "replay":
+        target = server_root(options.target[0])
+    elif options.mode == "shadow":
+        if options.shadow not in shadows:
+            raise OptionError("shadow", "mode shadow needs shadow: one of the gateway's shadow "
+                              f"targets ({', '.join(sorted(shadows)) or 'none configured'}), "
+                              f"got {options.shadow!r}")
+        target = server_root(shadows[options.shadow])
+    try:  # a job's base config is the defaults with its knobs on top
+        EngineConfig.from_dict(dict(options.set))
+    except (ValueError, TypeError) as exc:
+        raise OptionError("set", f"set: {exc}") from None
+    return JobSpec(settle_slos(options, default_slos, JOB), minutes, target)
 
 
-def _slos(fields: dict[str, Any], default_slos: Mapping[str, float]) -> None:
-    """The p99 targets (protocol.measures.SLO): TTFT and TPOT per request are needed, ITL per
-    gap is optional; each defaults to the strictest an enabled tenant sets."""
-    for name in SLO_FLAGS:
-        value = _number(fields, name, high=3600)
-        if value is None:
-            fields.pop(name, None)  # an explicit null: the default, as for an absent one
-            value = default_slos.get(name)
-        if value is None and name != "slo_itl_p99_s":
-            raise bad_request(f"{name} is needed: no enabled tenant sets that SLO to default "
-                              "to", name)
-        if value is not None:
-            fields[name] = float(value)
+def job_spec_schema() -> Schema:
+    """The POST body's JSON Schema: tuner.options' table for a job, and captured_minutes."""
+    from tuner.options import job_schema
+
+    schema = job_schema({"captured_minutes": {"anyOf": [CAPTURED_MINUTES, {"type": "null"}],
+                                              "description": CAPTURED_MINUTES["description"]}})
+    schema["description"] = (
+        "The options of `fairgate tune` a job may set, by their spec names (README: Tuning "
+        "jobs); null is the default. An SLO not given is the strictest an enabled tenant "
+        "sets (any combination, at least one; tenant_slos false: only those given). The "
+        "worker runs `fairgate tune --spec spec.json` on the checked spec, written to the "
+        "job's folder.")
+    return schema
 
 
-def worker_argv(job: JobRecord, gateway_url: str | None, trace: Path | None) -> list[str]:
-    """`fairgate tune` arguments for the job; the study's storage (a database URL, perhaps with
-    a password) and the admin key travel in the environment, never on a command line."""
-    f = job.spec
-    out = Path(job.out_dir)
-    argv = ["tune", "--mode", f["mode"], "--study", job.study,
-            "--out", str(out), "--objective", f["objective"],
-            *[arg for name, flag in SLO_FLAGS.items() if f.get(name) is not None
-              for arg in (flag, repr(f[name]))]]
-    for knob, value in (f.get("set") or {}).items():
-        argv += ["--set", f"{knob}={_scalar(value)}"]
-    if f.get("space") is not None:
-        argv += ["--space", str(out / "space.yaml")]
-    if f.get("workload") is not None:
-        argv += ["--workload", f["workload"]]
+def worker_options(options: TuneOptions, job_id: str, out: Path,
+                   captured: bool) -> TuneOptions:
+    """What the job's worker runs: the spec, its study and folder, its captured trace."""
+    return dataclasses.replace(options, study=job_id, out=str(out),
+                               trace=str(out / TRACE_FILE) if captured else None)
+
+
+def record_options(job: JobRecord) -> TuneOptions:
+    """The worker's options from a job's row (a job queued before the gateway wrote spec
+    files: its row holds the checked spec)."""
+    from tuner.options import JOB, TuneOptions
+
+    fields = {k: v for k, v in job.spec.items() if k != "captured_minutes"}
+    options = dataclasses.replace(TuneOptions.from_mapping(fields, JOB), tenant_slos=False)
+    return worker_options(options, job.study, Path(job.out_dir),
+                          job.spec.get("captured_minutes") is not None)
+
+
+def write_spec_file(options: TuneOptions, path: Path) -> None:
+    path.write_text(json.dumps(options.to_mapping(), indent=2) + "\n")
+
+
+def _make_folder(out: Path, options: TuneOptions, trace: str | None) -> None:
+    out.mkdir(parents=True)
     if trace is not None:
-        argv += ["--trace", str(trace)]
-    flags = {"rate": "--rate", "duration": "--duration", "trials": "--trials",
-             "timeout_s": "--timeout", "seed": "--seed", "heartbeat_s": "--heartbeat",
-             "baseline": "--baseline", "shadow_requests": "--shadow-requests",
-             "shadow_window_s": "--shadow-window", "recheck": "--recheck",
-             "robustness": "--robustness"}
-    for name, flag in flags.items():
-        if f.get(name) is not None:
-            argv += [flag, str(f[name])]
-    if f["mode"] == "replay":
-        argv += ["--url", f["target"]]
-    elif f["mode"] == "shadow":
+        (out / TRACE_FILE).write_text(trace)
+    write_spec_file(options, out / SPEC_FILE)
+
+
+def worker_argv(job: JobRecord, gateway_url: str | None) -> list[str]:
+    """`fairgate tune` arguments for the job: its spec file, and for a shadow job this
+    gateway's address (it may change when the gateway restarts). The study's storage (a
+    database URL, perhaps with a password) and the admin key travel in the environment."""
+    argv = ["tune", "--spec", str(Path(job.out_dir) / SPEC_FILE)]
+    if job.spec.get("mode") == "shadow":
         assert gateway_url is not None
-        argv += ["--gateway", gateway_url, "--shadow", f["shadow"]]
+        argv += ["--gateway", gateway_url]
     return argv
-
-
-def _scalar(value: Any) -> str:
-    return json.dumps(value) if not isinstance(value, str) else value
 
 
 # ---- the manager --------------------------------------------------------------------------------
@@ -354,35 +311,41 @@ class JobManager:
 
     # ---- requests ---------------------------------------------------------------------------
     async def submit(self, spec: JobSpec) -> JobRecord:
+        """Queue a checked spec. Everything that can refuse it is asked before anything is
+        made (no row, no folder); what was made is removed when a later step fails."""
         if spec.target is not None:
             busy = [j for j in await self.store.jobs(ACTIVE_STATES) if j.target == spec.target]
             if busy:
                 raise ApiError(409, f"job {busy[0].id} is already tuning {spec.target}: cancel it "
                                "or wait for it (two jobs may not tune one engine at once)",
                                code="engine_busy", param="target")
+        trace = None
+        if spec.captured_minutes is not None:
+            trace = await self._capture(spec.captured_minutes)
         job_id = "job-" + secrets.token_hex(6)
         out = (self.folder / job_id).absolute()  # the worker and a restarted gateway find it
-        await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
-        if spec.fields.get("space") is not None:
-            await asyncio.to_thread((out / "space.yaml").write_text,
-                                    yaml.safe_dump(spec.fields["space"]))
-        if spec.fields.get("captured_minutes") is not None:
-            await self._write_capture(spec.fields["captured_minutes"], out / "trace.jsonl")
-        job = await self.store.create(job_id, spec.fields, spec.target, job_id, str(out),
-                                      spec.trials)
+        options = worker_options(spec.options, job_id, out, trace is not None)
+        try:
+            await asyncio.to_thread(_make_folder, out, options, trace)
+            job = await self.store.create(job_id, spec.fields, spec.target, job_id, str(out),
+                                          spec.options.trials)
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, out, True)
+            raise
         self._wake.set()
         return job
 
-    async def _write_capture(self, minutes: float, path: Path) -> None:
+    async def _capture(self, minutes: float) -> str:
+        """The capture's last `minutes` (fairgate JSONL); ApiError 400 when there is none."""
         if self.capture_window is None:
             raise ApiError(400, "captured_minutes needs the gateway's trace capture: set "
                            "gateway.capture.path", code="no_capture", param="captured_minutes")
         now = time.time()
-        text = await self.capture_window(now - 60 * minutes, now, None)
+        text: str = await self.capture_window(now - 60 * minutes, now, None)
         if sum(1 for line in text.splitlines() if line and not line.startswith("#")) == 0:
             raise ApiError(400, f"the capture holds no request from the last {minutes:g} "
                            "minutes", code="empty_capture", param="captured_minutes")
-        await asyncio.to_thread(path.write_text, text)
+        return text
 
     async def cancel(self, job_id: str) -> JobRecord:
         job = await self._job(job_id)
@@ -544,13 +507,14 @@ class JobManager:
 
     async def _launch(self, job: JobRecord) -> None:
         out = Path(job.out_dir)
-        trace = out / "trace.jsonl" if job.spec.get("captured_minutes") is not None else None
-        argv = worker_argv(job, self.gateway_url, trace)
+        argv = worker_argv(job, self.gateway_url)
         env = dict(os.environ, FAIRGATE_PARENT_PID=str(os.getpid()),  # dies with us
                    FAIRGATE_TUNE_STORAGE=self.storage)
         if self.admin_key is not None:
             env[ADMIN_KEY_ENV] = self.admin_key  # the same variable `fairgate serve` reads
         try:
+            if not await asyncio.to_thread((out / SPEC_FILE).exists):  # queued before spec files
+                await asyncio.to_thread(write_spec_file, record_options(job), out / SPEC_FILE)
             if job.target is not None:
                 await self._snapshot(job)
             logfile = await asyncio.to_thread(open, out / "worker.log", "ab")
@@ -699,6 +663,31 @@ def _row(row: Any) -> dict[str, Any]:
             "value": row.value, "feasible": row.feasible, "infeasible": row.infeasible,
             "measures": row.measures, "baseline": row.baseline,
             "retried_from": row.retried_from}
+
+
+def _number(fields: dict[str, Any], name: str, *, low: float = 0.0, integer: bool = False,
+            high: float = math.inf) -> Any:
+    value = fields.get(name)
+    if value is None:
+        return None
+    kind = "a whole number" if integer else "a number"
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and \
+            math.isfinite(value) and (not integer or float(value).is_integer())
+    except OverflowError:  # an integer past a float's range
+        finite = False
+    if not finite:
+        raise bad_request(f"{name} must be {kind}, got {str(value)[:40]}", name)
+    if integer:
+        least = math.ceil(low) if low > 0 else 0
+        if not least <= value <= high:
+            raise bad_request(f"{name} must be a whole number from {least} to {high:g}, got "
+                              f"{value!r}", name)
+    elif not low < value <= high:
+        raise bad_request(f"{name} must be more than {low:g} and at most {high:g}, got "
+                          f"{value!r}", name)
+    fields[name] = int(value) if integer else float(value)  # as the worker's argv needs it
+    return fields[name]
 
 
 def _apply_options(body: Any) -> dict[str, Any]:

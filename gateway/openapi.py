@@ -19,7 +19,7 @@ from aiohttp import web
 
 from gateway.admin import CAPTURE_MEDIA_TYPE, MAX_CAPTURE_LIMIT
 from gateway.config import BACKEND_KINDS, SHADOW_NAME_PATTERN, SHADOW_URL_PATTERN
-from gateway.jobs import JOB_FILES, JOB_ID_PATTERN, MAX_TRIALS, MODES, OBJECTIVES
+from gateway.jobs import JOB_FILES, JOB_ID_PATTERN, job_spec_schema
 from protocol import openapi as protocol_schemas
 from protocol.openapi import Schema, nullable
 from protocol.priority import PRIORITIES
@@ -142,39 +142,6 @@ GATEWAY_SCHEMAS: dict[str, Schema] = {
                                    "shadow": {"type": "object"},
                                    "ratio": {"type": "object"},
                                    "p99_difference": {"type": "object"}}},
-    "TuneJobSpec": {
-        "type": "object", "required": ["mode"], "additionalProperties": False,
-        "description": "The fields of `fairgate tune` (README: Tuning). SLOs default to the "
-                       "strictest an enabled tenant sets (TTFT and TPOT are needed, ITL is "
-                       "optional); trials to 20.",
-        "properties": {
-            "mode": {"enum": list(MODES)}, "objective": {"enum": list(OBJECTIVES)},
-            "workload": STRING,
-            "captured_minutes": {"type": "number", "exclusiveMinimum": 0, "maximum": 10080,
-                                 "description": "The last N minutes of captured traffic."},
-            "rate": {"type": "number", "exclusiveMinimum": 0},
-            "duration": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400},
-            "set": {"type": "object", "description": "Base engine knobs."},
-            "space": {"type": "object", "description": "{knob: {low, high, log?, step?} | "
-                                                       "{choices: [...]}}"},
-            "slo_ttft_p99_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600,
-                               "description": "p99 of each request's time to first token."},
-            "slo_tpot_p99_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600,
-                               "description": "p99 of each request's time per output token."},
-            "slo_itl_p99_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600,
-                              "description": "p99 of every gap between two tokens, pooled "
-                                             "(optional)."},
-            "trials": {"type": "integer", "minimum": 1, "maximum": MAX_TRIALS},
-            "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 2592000},
-            "target": {**STRING, "description": "replay: the fairgate engine's URL."},
-            "shadow": {**STRING, "description": "shadow: the gateway's shadow target."},
-            "shadow_requests": {"type": "integer", "minimum": 1, "maximum": 1000000},
-            "shadow_window_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400},
-            "recheck": {"type": "integer", "minimum": 0, "maximum": 1000000},
-            "seed": {"type": "integer", "minimum": 0, "maximum": 1000000},
-            "heartbeat_s": {"type": "integer", "minimum": 1, "maximum": 1000000},
-            "robustness": {"type": "integer", "minimum": 0, "maximum": 1000000},
-            "baseline": {"const": "vllm-grid"}}},
     "TuneJob": {"type": "object", "required": ["id", "state", "spec", "progress"],
                 "description": "A job: its state, progress (trials done of planned, elapsed, "
                                "estimate left), best trial so far, links to its files, the "
@@ -448,7 +415,8 @@ def document() -> Schema:
                      "description": "OpenAI's completions and chat completions API, shared "
                                     "fairly between tenants."},
             "paths": paths,
-            "components": {"schemas": {**protocol_schemas.schemas(), **GATEWAY_SCHEMAS},
+            "components": {"schemas": {**protocol_schemas.schemas(), **GATEWAY_SCHEMAS,
+                                       "TuneJobSpec": job_spec_schema()},
                            "securitySchemes": SECURITY_SCHEMES}}
 
 

@@ -5,6 +5,7 @@ endpoint, and a gateway killed mid-job whose job resumes without lost or repeate
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -20,12 +21,20 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from gateway.jobs import parse_spec, worker_argv
+from gateway.jobs import (
+    SPEC_FILE,
+    parse_spec,
+    record_options,
+    worker_argv,
+    worker_options,
+    write_spec_file,
+)
 from protocol.errors import ApiError
 from tenants.jobs import JobRecord
 from tests.gateway.helpers import free_port, start_gateway
 from tests.support.processes import ROOT
 from tests.support.waiting import poll_until, wait_until
+from tuner.options import DEFAULT_TRIALS, TuneOptions
 
 ADMIN_KEY = "admin-key-0123456789"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -71,6 +80,12 @@ async def test_a_sim_job_runs_through_the_admin_api_and_serves_its_outputs(
     assert [t["number"] for t in job["trials"]] == [0, 1, 2]
     assert job["best"] is not None and job["best"]["feasible"]
     assert {"best.yaml", "report.html", "trials.csv"} <= set(job["links"])
+    folder = tmp_path / "jobs" / created["id"]
+    written = json.loads((folder / "spec.json").read_text())
+    assert written["study"] == created["id"] and written["out"] == str(folder)
+    assert written["trials"] == 3 and written["tenant_slos"] is False
+    log = await h.client.get(job["links"]["worker.log"], headers=ADMIN)
+    assert f"fairgate tune --spec {folder / 'spec.json'}\n" in await log.text()
     best = await h.client.get(job["links"]["best.yaml"], headers=ADMIN)
     assert best.status == 200 and "engine:" in await best.text()
     listed = await (await h.client.get("/admin/tune-jobs", headers=ADMIN)).json()
@@ -92,7 +107,20 @@ async def test_a_sim_job_runs_through_the_admin_api_and_serves_its_outputs(
     ({"slo_ttft_p99_s": "fast"}, "slo_ttft_p99_s"),
     ({"slo_tpot_p99_s": 0}, "slo_tpot_p99_s"),
     ({"slo_itl_p99_s": -1}, "slo_itl_p99_s"),
-    ({"slo_tpot_p99_s": None}, "slo_tpot_p99_s"),  # none to default to: no tenant sets one
+    ({"slo_ttft_p99_s": None, "slo_tpot_p99_s": None}, "slo_ttft_p99_s"),  # none, nor tenants'
+    ({"tenant_slos": False, "slo_ttft_p99_s": None, "slo_tpot_p99_s": None}, "slo_ttft_p99_s"),
+    ({"start": -1}, "start"),
+    ({"window": 0}, "window"),
+    ({"holdout": 17}, "holdout"),
+    ({"robustness": -1}, "holdout"),
+    ({"holdout_top": 0}, "holdout_top"),
+    ({"holdout": 1, "robustness": 2}, "holdout"),
+    ({"workers": 2}, "workers"),  # the command line's: not a job's
+    ({"trace": "/etc/passwd"}, "trace"),
+    ({"study": "other"}, "study"),
+    ({"space": "space.yaml"}, "space"),  # a path on the gateway: the mapping itself only
+    ({"target": ["http://127.0.0.1:9"], "mode": "replay"}, "target"),
+    ({"shadow_requests": 5}, "shadow_requests"),  # for mode shadow
     ({"set": {"max_num_seqs": -4}}, "set"),
     ({"set": {"no_such_knob": 1}}, "set"),
     ({"space": {"max_num_seqs": {"low": 8}}}, "space"),
@@ -110,7 +138,9 @@ async def test_a_bad_spec_is_a_400_naming_the_field(
     assert resp.status == 400
     error = (await resp.json())["error"]
     assert error["param"] == param, error
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_value"
     assert not (await (await h.client.get("/admin/tune-jobs", headers=ADMIN)).json())["jobs"]
+    assert not list((tmp_path / "jobs").glob("*"))  # no folder either (issue 25)
 
 
 async def test_replay_and_shadow_jobs_need_their_engine(
@@ -128,6 +158,7 @@ async def test_replay_and_shadow_jobs_need_their_engine(
     captured = {**QUICK, "workload": None, "captured_minutes": 5}
     resp = await h.client.post("/admin/tune-jobs", json=captured, headers=ADMIN)
     assert resp.status == 400 and (await resp.json())["error"]["code"] == "no_capture"
+    assert not list((tmp_path / "jobs").glob("*"))  # refused before its folder was made
 
 
 async def test_slos_default_to_the_strictest_tenants(
@@ -143,28 +174,88 @@ async def test_slos_default_to_the_strictest_tenants(
         "slo_ttft_p99_s": 0.3, "slo_tpot_p99_s": 0.04, "slo_itl_p99_s": 0.1}
 
 
-def _argv_slos(spec: dict[str, Any], defaults: dict[str, float]) -> list[str]:
-    parsed = parse_spec(spec, {}, defaults)
-    record = JobRecord("job-000000000001", parsed.fields, "queued", None, "s", "/tmp/j", None,
+def _worker_options(spec: dict[str, Any], defaults: dict[str, float],
+                    tmp_path: Path) -> TuneOptions:
+    """What the worker reads: the gateway writes the checked spec to the job's folder and
+    starts `fairgate tune` on it; the worker's own parser and from_mapping read it back."""
+    from fairgate.cli import build_parser
+    from fairgate.tune_cli import options_from_args
+
+    parsed = parse_spec(spec, {"cand": "http://127.0.0.1:9"}, defaults)
+    out = tmp_path / "job-000000000001"
+    out.mkdir(exist_ok=True)
+    write_spec_file(worker_options(parsed.options, out.name, out, False), out / SPEC_FILE)
+    record = JobRecord(out.name, parsed.fields, "queued", None, out.name, str(out), None,
                        0, None, None, None, 0.0, None, None, 0.0)
-    argv = worker_argv(record, None, None)
-    return [a for i, a in enumerate(argv) if a.startswith("--slo") or
-            argv[i - 1].startswith("--slo")]
+    argv = worker_argv(record, "http://127.0.0.1:8080")
+    assert argv[:3] == ["tune", "--spec", str(out / SPEC_FILE)]
+    options, _ = options_from_args(build_parser(argv).parse_args(argv))
+    assert options == dataclasses.replace(
+        parsed.options, study=out.name, out=str(out),
+        gateway="http://127.0.0.1:8080" if parsed.options.mode == "shadow" else None)
+    return options
 
 
-def test_the_spec_passes_each_slo_to_the_worker_under_its_own_flag() -> None:
-    """TTFT and TPOT per request (needed), ITL per gap (optional): `fairgate tune`'s
-    --slo-ttft-p99, --slo-tpot-p99 and --slo-itl-p99, each from the spec or the strictest
-    tenant's."""
-    assert _argv_slos(QUICK, {}) == ["--slo-ttft-p99", "0.5", "--slo-tpot-p99", "0.05"]
-    assert _argv_slos({**QUICK, "slo_itl_p99_s": 0.2}, {"slo_itl_p99_s": 0.1}) == [
-        "--slo-ttft-p99", "0.5", "--slo-tpot-p99", "0.05", "--slo-itl-p99", "0.2"]
+def _slos(options: TuneOptions) -> tuple[float | None, float | None, float | None]:
+    return options.slo_ttft_p99_s, options.slo_tpot_p99_s, options.slo_itl_p99_s
+
+
+def test_the_worker_reads_the_spec_the_gateway_checked(tmp_path: Path) -> None:
+    """SLOs as `fairgate tune` takes them: any combination, at least one, each one not given
+    the strictest tenant's; settled by the gateway, so the worker asks no database."""
     bare = {k: v for k, v in QUICK.items() if not k.startswith("slo_")}
-    assert _argv_slos(bare, {"slo_ttft_p99_s": 1.0, "slo_tpot_p99_s": 0.1,
-                             "slo_itl_p99_s": 0.25}) == [
-        "--slo-ttft-p99", "1.0", "--slo-tpot-p99", "0.1", "--slo-itl-p99", "0.25"]
-    with pytest.raises(ApiError, match="slo_tpot_p99_s is needed"):
-        parse_spec({**bare, "slo_ttft_p99_s": 1.0}, {}, {"slo_itl_p99_s": 0.1})
+    options = _worker_options(QUICK, {}, tmp_path)
+    assert _slos(options) == (0.5, 0.05, None) and not options.tenant_slos
+    assert options.trials == 3 and options.holdout == 0 and options.workload == "uniform"
+    assert _slos(_worker_options({**bare, "slo_itl_p99_s": 0.2}, {}, tmp_path)) == (
+        None, None, 0.2)
+    assert _slos(_worker_options({**QUICK, "slo_itl_p99_s": 0.2}, {"slo_itl_p99_s": 0.1},
+                                 tmp_path)) == (0.5, 0.05, 0.2)
+    assert _slos(_worker_options(bare, {"slo_ttft_p99_s": 1.0, "slo_tpot_p99_s": 0.1,
+                                        "slo_itl_p99_s": 0.25}, tmp_path)) == (1.0, 0.1, 0.25)
+    assert _slos(_worker_options({**bare, "slo_ttft_p99_s": 1.0, "tenant_slos": False},
+                                 {"slo_itl_p99_s": 0.1}, tmp_path)) == (1.0, None, None)
+    with pytest.raises(ApiError, match="give at least one SLO") as refused:
+        parse_spec(bare, {}, {})
+    assert refused.value.param == "slo_ttft_p99_s"
+    # the options a job may have beyond the old spec: trace windows, held-out choice
+    quick = {k: v for k, v in QUICK.items() if k != "robustness"}  # holdout's older name
+    windows = _worker_options({**quick, "start": 5, "window": 30, "holdout": 2,
+                               "holdout_top": 4}, {}, tmp_path)
+    assert (windows.start, windows.window, windows.holdout, windows.holdout_top) == (
+        5.0, 30.0, 2, 4)
+    shadow = {k: v for k, v in QUICK.items() if k not in ("workload", "rate", "duration")}
+    assert _worker_options({**shadow, "mode": "shadow", "shadow": "cand", "recheck": 1}, {},
+                           tmp_path).recheck_count == 1
+
+
+def test_one_default_for_the_command_line_and_for_a_job() -> None:
+    """trials: 30 on both, in one place; the document says the same."""
+    from gateway.jobs import job_spec_schema
+
+    spec = parse_spec({k: v for k, v in QUICK.items() if k != "trials"}, {}, {})
+    assert spec.options.trials == TuneOptions().trials == DEFAULT_TRIALS == 30
+    assert spec.fields["trials"] == 30
+    assert job_spec_schema()["properties"]["trials"]["default"] == 30
+    timed = parse_spec({**{k: v for k, v in QUICK.items() if k != "trials"},
+                        "timeout_s": 60}, {}, {})
+    assert timed.options.trials is None and "trials" not in timed.fields
+
+
+def test_a_job_queued_before_spec_files_gets_one_from_its_row(tmp_path: Path) -> None:
+    """Its row holds the spec as the gateway checked it then (robustness: the older name)."""
+    row = {"mode": "sim", "objective": "goodput", "workload": "uniform", "rate": 10.0,
+           "duration": 4.0, "trials": 3, "robustness": 0, "slo_ttft_p99_s": 0.5,
+           "slo_tpot_p99_s": 0.05, "set": {"max_num_seqs": 8}}
+    record = JobRecord("job-000000000002", row, "interrupted", None, "job-000000000002",
+                       str(tmp_path), 3, 1, None, None, None, 0.0, None, None, 0.0)
+    options = record_options(record)
+    assert (options.holdout, options.set, options.study, options.out) == (
+        0, {"max_num_seqs": 8}, "job-000000000002", str(tmp_path))
+    assert not options.tenant_slos and options.trace is None
+    captured = dataclasses.replace(record, spec={**row, "workload": None,
+                                                 "captured_minutes": 5})
+    assert record_options(captured).trace == str(tmp_path / "trace.jsonl")
 
 
 async def test_every_jobs_endpoint_wants_the_admin_key(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -356,15 +357,22 @@ def test_a_storage_url_of_no_known_database_is_one_line(
     assert not (tmp_path / "out").exists()
 
 
-def test_held_out_windows_are_the_next_stretches_of_the_trace_at_the_same_speed() -> None:
+def _workload_args(argv: list[str]) -> Any:
+    """The workload options `fairgate tune` gives the windows for these flags."""
     from fairgate.cli import build_parser
+    from fairgate.tune_cli import options_from_args, workload_args
+
+    options, _ = options_from_args(build_parser(["tune"]).parse_args(["tune", *argv]))
+    return workload_args(options)
+
+
+def test_held_out_windows_are_the_next_stretches_of_the_trace_at_the_same_speed() -> None:
     from tuner.bench_cli import plan_requests
     from tuner.traces import load_trace
     from tuner.windows import study_windows
 
     path = Path(__file__).parent / "data" / "azure_conv_head.csv"
-    args = build_parser(["tune"]).parse_args(["tune", "--trace", str(path), "--window", "40",
-                                              "--start", "10"])
+    args = _workload_args(["--trace", str(path), "--window", "40", "--start", "10"])
     args.speed = 2.0  # as a library caller may set it (the command line has --rate)
     trace = load_trace(path)
     train, (first, second) = study_windows(args, 2, 1000, plan_requests)
@@ -380,14 +388,13 @@ def test_held_out_windows_are_the_next_stretches_of_the_trace_at_the_same_speed(
 def test_rate_is_the_mean_over_the_chosen_window(window: float) -> None:
     """--rate R sends R requests/s on average over the window (requests over its length),
     whatever the rest of the trace does; it used to rescale by the whole file's mean."""
-    from fairgate.cli import build_parser
     from tuner.bench_cli import plan_requests
     from tuner.traces import load_trace
     from tuner.windows import study_windows
 
     path = Path(__file__).parent / "data" / "azure_conv_head.csv"
-    args = build_parser(["tune"]).parse_args(["tune", "--trace", str(path), "--rate", "0.6",
-                                              "--window", str(window), "--start", "20"])
+    args = _workload_args(["--trace", str(path), "--rate", "0.6", "--window", str(window),
+                           "--start", "20"])
     train, held = study_windows(args, 1, 1000, plan_requests)
     native = [r for r in load_trace(path) if 20 <= r.arrival < 20 + window]
     factor = (native[-1].arrival - 20) / train.requests[-1].arrival  # trace s per sent s
