@@ -290,6 +290,7 @@ def tenant_slos(url: str) -> dict[str, tuple[float, str]]:
     from sqlalchemy.exc import SQLAlchemyError
 
     from tenants import TenantStore
+    from tenants.values import strictest_slos
 
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").is_file():
@@ -306,14 +307,7 @@ def tenant_slos(url: str) -> dict[str, tuple[float, str]]:
         tenants = asyncio.run(read())
     except (SQLAlchemyError, OSError):  # no schema yet, or a server that does not answer
         return {}
-    found: dict[str, tuple[float, str]] = {}
-    for tenant in tenants:
-        for measure in SLO_FIELDS.values():  # the tenant's fields have the same names
-            target = getattr(tenant, measure)
-            if tenant.enabled and target is not None and (
-                    measure not in found or target < found[measure][0]):
-                found[measure] = (target, tenant.name)
-    return found
+    return strictest_slos(tenants)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from gateway.proxy import read_json
 from gateway.state import AUTH, GATEWAY, JOBS, STORE
 from protocol.errors import ApiError, bad_request
 from tenants import DuplicateTenantError, TenantError, TenantInfo, TenantNotFoundError
-from tenants.values import SLO_FIELDS, check_tenant_name, tenant_from_mapping
+from tenants.values import check_tenant_name, strictest_slos, tenant_from_mapping
 
 DATABASE_TIMEOUT_S = 5.0
 _RETRY_AFTER_S = 5.0
@@ -296,10 +296,8 @@ async def _default_slos(request: web.Request) -> dict[str, float]:
     """The strictest of each p99 target an enabled tenant sets, by its field name
     (slo_ttft_p99_s, slo_tpot_p99_s, slo_itl_p99_s): a job's SLOs where it names none."""
     async with _database():
-        tenants = [t for t in await request.app[STORE].list_tenants() if t.enabled]
-    strictest = {name: min((v for t in tenants if (v := getattr(t, name)) is not None),
-                           default=None) for name in SLO_FIELDS}
-    return {name: value for name, value in strictest.items() if value is not None}
+        tenants = await request.app[STORE].list_tenants()
+    return {name: value for name, (value, _) in strictest_slos(tenants).items()}
 
 
 def _own_url(request: web.Request) -> str | None:

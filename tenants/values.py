@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
@@ -29,6 +29,20 @@ INT_COLUMN_MAX = 2**31 - 1
 # A tenant's p99 targets (protocol.measures.SLO): TTFT and TPOT per request, ITL per gap. A
 # value stored as slo_itl_p99_s before migration 0005 bounded TPOT: it is slo_tpot_p99_s now.
 SLO_FIELDS = ("slo_ttft_p99_s", "slo_tpot_p99_s", "slo_itl_p99_s")
+
+
+def strictest_slos(tenants: Iterable[Any]) -> dict[str, tuple[float, str]]:
+    """{SLO field: (the strictest p99 target an enabled tenant sets, that tenant's name)}: the
+    targets a tune job or `fairgate tune` takes where it names none."""
+    found: dict[str, tuple[float, str]] = {}
+    for tenant in tenants:
+        if not tenant.enabled:
+            continue
+        for name in SLO_FIELDS:
+            target = getattr(tenant, name)
+            if target is not None and (name not in found or target < found[name][0]):
+                found[name] = (target, tenant.name)
+    return found
 
 
 def shown(value: object, limit: int = 80) -> str:

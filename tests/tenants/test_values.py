@@ -107,3 +107,15 @@ def test_normalize_url(url: str, expected: str) -> None:
 def test_normalize_url_rejects(url: str) -> None:
     with pytest.raises(TenantError):
         normalize_url(url)
+
+
+def test_strictest_slos_are_the_enabled_tenants_lowest_targets_each() -> None:
+    from tenants.values import TenantInfo, strictest_slos
+
+    tenants = [TenantInfo("loose", slo_ttft_p99_s=2.0, slo_tpot_p99_s=0.1),
+               TenantInfo("strict", slo_ttft_p99_s=0.5, slo_itl_p99_s=0.2),
+               TenantInfo("off", slo_ttft_p99_s=0.01, slo_tpot_p99_s=0.001, enabled=False)]
+    assert strictest_slos(tenants) == {"slo_ttft_p99_s": (0.5, "strict"),
+                                       "slo_tpot_p99_s": (0.1, "loose"),
+                                       "slo_itl_p99_s": (0.2, "strict")}
+    assert strictest_slos([]) == {}
