@@ -28,15 +28,20 @@ from protocol.measures import SLO
 from protocol.validators import check_choice, check_known_keys, check_number
 from tuner.engines import ENGINES
 from tuner.runners import MODES, RunnerOptions
-from tuner.spec import BASELINES, HEARTBEAT_S, MAX_RECHECK, OBJECTIVES
+from tuner.spec import (
+    BASELINES,
+    DEFAULT_RECHECK,
+    DEFAULT_TRIALS,
+    HEARTBEAT_S,
+    MAX_RECHECK,
+    OBJECTIVES,
+)
 from tuner.traces import TRACE_FORMATS
 from tuner.workload import WORKLOADS
 
 Schema = dict[str, Any]
 
-DEFAULT_TRIALS = 30  # the study's size when neither trials nor timeout_s is given
 DEFAULT_HOLDOUT = 3  # held-out windows in sim mode; replay and launch run in real time: 0
-DEFAULT_RECHECK = 3  # shadow: configs re-checked on the captured traffic after the study
 MAX_HOLDOUT = 16
 MAX_TRIALS = 10_000
 JOB_MODES = ("sim", "replay", "shadow")  # launch runs a command line: not from an HTTP API
@@ -459,7 +464,7 @@ class TuneOptions:
     objective: str = "goodput"
     baseline: str | None = None
     holdout: int | None = None  # None: DEFAULT_HOLDOUT in sim mode, else 0 (`holdout_count`)
-    holdout_top: int = 3
+    holdout_top: int = DEFAULT_HOLDOUT_TOP
     workers: int | None = None  # None: 1, replay: one per target (`worker_count`)
     heartbeat_s: int = HEARTBEAT_S
     space: str | dict[str, Any] | None = None

@@ -24,6 +24,9 @@ OBJECTIVE_TEXT = {"goodput": "requests/s meeting both SLOs at the workload's own
 OBJECTIVE_UNIT = {"goodput": "req/s", "capacity": "req/s", "pareto": "tok/s"}
 BASELINES = ("vllm-grid",)
 MAX_RECHECK = 20  # re-checked configs: each is a real-time replay
+DEFAULT_TRIALS = 30  # the study's size when neither trials nor timeout_s is given
+DEFAULT_RECHECK = 3  # shadow: configs re-checked on the captured traffic after the study
+DEFAULT_HOLDOUT_TOP = 3  # the study's top configs run on the held-out windows
 HEARTBEAT_S = 10  # a killed worker's trial is retried once it missed two heartbeats
 ASYNC_DRIVERS = {"aiosqlite": "sqlite", "asyncpg": "postgresql"}
 
@@ -81,7 +84,7 @@ class TuneSpec:
     study_name: str
     out_dir: Path
     objective: str = "goodput"
-    trials: int | None = 30  # the study's size: trials finished, over every run and worker
+    trials: int | None = DEFAULT_TRIALS  # the study's size: finished, over every run and worker
     timeout_s: float | None = None
     seed: int = 0
     workload: str = ""  # how the requests were made, for the report
@@ -90,9 +93,9 @@ class TuneSpec:
     workers: int = 1  # sim: processes; replay: one per --url
     urls: tuple[str, ...] = ()  # replay with several engines: worker i drives urls[i]
     holdout: tuple[Window, ...] = ()  # held-out windows the recommendation is chosen on
-    holdout_top: int = 3  # the study's top configs run on them beside the baselines
+    holdout_top: int = DEFAULT_HOLDOUT_TOP  # top configs run on them beside the baselines
     heartbeat_s: int = HEARTBEAT_S
-    recheck: int = 3  # shadow: the best configs re-checked on the study's captured traffic
+    recheck: int = DEFAULT_RECHECK  # shadow: the best configs re-checked on captured traffic
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
