@@ -30,6 +30,7 @@ from tuner.engines import ENGINES
 from tuner.runners import MODES, RunnerOptions
 from tuner.spec import (
     BASELINES,
+    DEFAULT_HOLDOUT_TOP,
     DEFAULT_RECHECK,
     DEFAULT_TRIALS,
     HEARTBEAT_S,
