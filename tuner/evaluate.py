@@ -180,7 +180,8 @@ def capacity_bounds(probe: Callable[[float], TrialMeasures | None],
     intervals: its low end is the highest rate probed at which every p99's interval lies under
     its target (surely held), its high end the lowest at which some p99's interval lies over
     its target, or a request was refused or cut off (surely missed). Up to CI_PROBES more
-    probes each way find them when the search's own probes do not."""
+    probes each way, CI_STEP apart, find them when the search's own probes do not; an end
+    still not found after those is the last rate probed (an interval at least that wide)."""
     def surely_met(m: TrialMeasures) -> bool:
         return not m.failed and all(m.interval(n)[1] <= t for n, t in slo_targets(slo))
 
