@@ -22,7 +22,7 @@ from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
 
 from engine.config import EngineConfig
 from protocol.measures import SLO
-from tuner.capacity import mean_rate, scale_arrivals, search_capacity
+from tuner.capacity import MAX_FACTOR, mean_rate, scale_arrivals, search_capacity
 from tuner.measures import (
     VIOLATION_CAP,
     StopRule,
@@ -180,8 +180,9 @@ def capacity_bounds(probe: Callable[[float], TrialMeasures | None],
     intervals: its low end is the highest rate probed at which every p99's interval lies under
     its target (surely held), its high end the lowest at which some p99's interval lies over
     its target, or a request was refused or cut off (surely missed). Up to CI_PROBES more
-    probes each way, CI_STEP apart, find them when the search's own probes do not; an end
-    still not found after those is the last rate probed (an interval at least that wide)."""
+    probes each way, CI_STEP apart, then CI_PROBES more, each twice as far, find them when the
+    search's own probes do not; a low end still not found is 0, a high end the search's
+    highest factor (MAX_FACTOR)."""
     def surely_met(m: TrialMeasures) -> bool:
         return not m.failed and all(m.interval(n)[1] <= t for n, t in slo_targets(slo))
 
@@ -190,20 +191,20 @@ def capacity_bounds(probe: Callable[[float], TrialMeasures | None],
             m.interval(n)[0] > t for n, t in slo_targets(slo))
 
     def bound(sure: Callable[[TrialMeasures], bool], side: Callable[[float], bool],
-              pick: Callable[..., float], step: float) -> float:
+              pick: Callable[..., float], step: float, unproven: float) -> float:
         found = [f for f, (m, _) in probes.items() if side(f) and sure(m)]
         edge = factor
-        for _ in range(CI_PROBES):
+        for i in range(2 * CI_PROBES):  # CI_STEP apart, then twice as far each time
             if found:
                 break
-            edge *= step
+            edge *= step if i < CI_PROBES else step ** (2 ** (i - CI_PROBES + 1))
             probe(edge)
             if sure(probes[edge][0]):
                 found.append(edge)
-        return pick(found) if found else edge
+        return pick(found) if found else unproven
 
-    low = bound(surely_met, lambda f: f <= factor, max, 1 / CI_STEP)
-    high = bound(surely_missed, lambda f: f > factor, min, CI_STEP)
+    low = bound(surely_met, lambda f: f <= factor, max, 1 / CI_STEP, 0.0)
+    high = bound(surely_missed, lambda f: f > factor, min, CI_STEP, MAX_FACTOR)
     return min(low, factor), max(high, factor)
 
 

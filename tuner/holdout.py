@@ -105,7 +105,7 @@ def holdout_candidates(spec: TuneSpec, rows: Sequence[TrialRow]
                        ) -> list[tuple[str, TrialRow]]:
     """(role, row): the default, vLLM grid's best on the training window, then the study's top
     `spec.holdout_top` distinct feasible configs (pareto: points of the front) that are not a
-    baseline's knobs."""
+    baseline's knobs (any of vLLM's grid included: a grid config is no gain of the search)."""
     out: list[tuple[str, TrialRow]] = []
     default = baseline_row(rows, "default")
     if default is not None and default.ran:
@@ -115,7 +115,7 @@ def holdout_candidates(spec: TuneSpec, rows: Sequence[TrialRow]
                                       default=None)
     if grid_best is not None and grid_best.baseline is not None:
         out.append((grid_best.baseline, grid_best))
-    taken = {_key(r) for _, r in out}
+    taken = {_key(r) for r in rows if r.baseline is not None}  # every baseline's, grid's too
     pool = pareto_front(rows) if spec.multi_objective else rows
     ranked = distinct(sorted((r for r in pool if r.feasible and r.value is not None),
                              key=lambda r: (-(r.value or 0.0), r.number)))

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -335,3 +336,53 @@ def test_an_uncertain_trial_is_marked_and_does_not_win_without_a_held_out_re_run
     chosen = [r for r in rows if int(r["max_num_seqs"]) == best["max_num_seqs"] and int(
         r["max_num_batched_tokens"]) == best["max_num_batched_tokens"]]
     assert chosen and (not sure or all(r in sure for r in chosen))
+
+
+def _measures(p99: float, low: float, high: float) -> Any:
+    from tuner.measures import TrialMeasures
+
+    return TrialMeasures(p99_ttft_s=p99, p99_ttft_ci=(low, high), p99_tpot_s=0.0,
+                         p99_tpot_ci=(0.0, 0.0), p99_itl_s=0.0, p99_itl_ci=(0.0, 0.0),
+                         goodput_rps=1.0, good_fraction=1.0, requests=1000, failed=0,
+                         wall_s=0.0)
+
+
+def test_capacity_bounds_invert_the_p99_intervals() -> None:
+    """p99 TTFT grows with the rate factor f as f seconds, known to +-10%: the SLO (1 s)
+    surely holds up to f = 1/1.1 and is surely missed from f = 1/0.9."""
+    from protocol.measures import SLO
+    from tuner.capacity import MAX_FACTOR
+    from tuner.evaluate import CI_STEP, capacity_bounds
+
+    def run(probes: dict[float, Any], spread: float) -> tuple[float, float]:
+        def probe(f: float) -> Any:
+            m = _measures(f, f * (1 - spread), f * (1 + spread))
+            probes[f] = (m, None if f <= 1.0 else "missed")
+            return m if f <= 1.0 else None
+
+        probe(1.0)
+        return capacity_bounds(probe, probes, 1.0, SLO(ttft_s=1.0))
+
+    low, high = run({}, 0.1)
+    assert low == pytest.approx(1 / CI_STEP) and high == pytest.approx(CI_STEP)
+    # intervals too wide to be sure of anything within the extra probes: 0 and the search's top
+    low, high = run({}, 100.0)
+    assert (low, high) == (0.0, MAX_FACTOR)
+
+
+def test_vllm_grid_configs_are_no_searched_candidates() -> None:
+    from tuner.holdout import holdout_candidates
+
+    def trial(number: int, value: float, seqs: int, baseline: str | None = None) -> TrialRow:
+        return TrialRow(number=number, state="COMPLETE", params={"max_num_seqs": seqs},
+                        baseline=baseline, ran=True, measures={"p99_ttft_s": 0.1},
+                        value=value, infeasible=None)
+
+    rows = [trial(0, 1.0, 64, "default"), trial(1, 3.0, 128, "vllm-grid 128x512"),
+            trial(2, 2.9, 256, "vllm-grid 256x512"), trial(3, 2.0, 32), trial(4, 2.5, 96)]
+
+    class Spec:
+        multi_objective, holdout_top = False, 3
+
+    roles = [(role, r.number) for role, r in holdout_candidates(Spec(), rows)]  # type: ignore
+    assert roles == [("default", 0), ("vllm-grid 128x512", 1), ("search", 4), ("search", 3)]
