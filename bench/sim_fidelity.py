@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from engine.config import EngineConfig  # noqa: E402
 from engine.sim_profile import load_profile, save_profile  # noqa: E402
 from fairgate.engine_cli import parse_overrides  # noqa: E402
-from tuner.calibrate import calibrate  # noqa: E402
+from tuner.calibrate import calibrate, check_fit  # noqa: E402
 from tuner.fidelity import (  # noqa: E402
     GOALS,
     Figures,
@@ -81,7 +81,9 @@ def main() -> int:
             save_profile(calibrate(config, repeats=args.repeats,
                                    progress=lambda line: print(f"  {line}", file=sys.stderr)),
                          path)
-            print(f"calibrated in {time.perf_counter() - started:.1f} s: {load_profile(path).fit}")
+            fit = load_profile(path).fit
+            print(f"calibrated in {time.perf_counter() - started:.1f} s: {fit}; "
+                  f"{check_fit(fit) or 'a good fit'}")
         real = replay_realtime(config, requests)
         sim = simulate_profiled(config, path, requests)
     print(f"real: {real.wall_s:.1f} s wall, {real.steps} steps, {real.preemptions} preemptions; "

@@ -13,12 +13,16 @@ roofline of engine/sim.py. The profile YAML::
     max_position: 4096            # the model's context: the sim resolves max_model_len from it
     kv_tokens: 937264             # the real engine's KV cache (blocks x block_size), see below
     kv_bytes_per_token: 4096
-    coefficients:                 # seconds per unit of each feature
+    coefficients:                 # seconds per unit of each feature (one missing: 0)
       step: 0.0012
       tokens: 6.1e-05
       ...
-    fit: {steps: 812, r2: 0.98, median_rel_error: 0.05, p90_rel_error: 0.14}
+    fit: {steps: 812, held_out_steps: 90, r2: 0.98, median_rel_error: 0.05, ...}
     calibration: {max_num_seqs: 32, ...}   # the knobs it ran under
+
+`fit` is the calibration's report: `r2`, `median_rel_error` and `p90_rel_error` of the fitted
+model on steps it was not fitted on (`held_out_steps` of them), `train_r2` and
+`train_median_rel_error` on the `steps` it was fitted on, `mean_scale` (tuner/calibrate.py).
 
 Memory: the sim serves with the KV cache the real engine had under the calibration config
 (`kv_tokens`, re-cut into blocks of the running config's `block_size`); `num_kv_blocks` still
@@ -48,15 +52,19 @@ PROFILE_VERSION = 1
 GIB = 1 << 30
 # what one step costs on a CPU/GPU engine: a fixed part, per-token matmuls, per-request
 # bookkeeping, the logits and sampling of each sampled row, the Python loop over prefills, and
-# attention: prefills over their causal context, decodes batched and padded to the longest one
+# attention: prefills over their causal context, decodes batched and padded to the longest one.
+# A prefill chunk can cost more than its causal part: an attention that computes the whole
+# masked rectangle of chunk x context (the CPU reference: the causal part plus chunk^2 / 2) and
+# gathers the chunk's whole cached context each step (`prefill_context`); the last two let the
+# fit see that a chunk late in a long prompt costs more than a fresh prefill of its size.
 FEATURES = ("step", "tokens", "seqs", "sampled", "prefills", "prefill_attention",
-            "decode_attention")
+            "decode_attention", "prefill_square", "prefill_context")
 
 
 def step_features(plan: SchedulerOutput) -> tuple[float, ...]:
     """The values of `FEATURES` for one plan, in that order."""
     sampled = prefills = 0
-    prefill_attention = 0.0
+    prefill_attention = prefill_square = prefill_context = 0.0
     decode_contexts: list[int] = []
     for scheduled in plan.requests:
         end = scheduled.start + scheduled.num_tokens
@@ -66,9 +74,12 @@ def step_features(plan: SchedulerOutput) -> tuple[float, ...]:
         else:
             prefills += 1
             prefill_attention += scheduled.num_tokens * (scheduled.start + end) / 2
+            prefill_square += scheduled.num_tokens**2
+            prefill_context += end
     decode_attention = len(decode_contexts) * max(decode_contexts, default=0)
     return (1.0, float(plan.num_batched_tokens), float(len(plan.requests)), float(sampled),
-            float(prefills), prefill_attention, float(decode_attention))
+            float(prefills), prefill_attention, float(decode_attention), prefill_square,
+            prefill_context)
 
 
 @dataclass(frozen=True)

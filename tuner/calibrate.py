@@ -1,19 +1,29 @@
 """Calibration: fit the simulated executor's step times to the real engine.
 
 `calibrate(config)` runs the real engine (`TorchExecutor`, whatever `config` says) over a designed
-set of phases: `batch` requests of `prompt_tokens` each, added at once (a batched prefill, then
-decodes of that batch at that context) or one per step (`staggered`: prefill chunks beside a
-growing decode batch, the mixed steps of live serving). Every step's wall time (schedule, forward
-pass, sampling, update: what the real-time replay and the sim's virtual clock both count) is
-paired with its plan's `step_features`; the phases run several rounds and each step keeps the
-median of its rounds' times (another process on the machine slows one round, not all). A
-non-negative least-squares fit, relative to each step's time so short decode steps count as much
-as long prefills, gives the coefficients of a `SimProfile` (engine/sim_profile.py).
+set of phases (`default_design`): grid `Phase`s, `batch` requests of `prompt_tokens` each, added
+at once (a batched prefill, then decodes of that batch at that context) or one per step
+(`staggered`: prefill chunks beside a growing decode batch), at irregular batch sizes and prompt
+lengths (CPU and GPU kernels are fastest at round sizes such as 4, 16 or 512, which a grid of
+round sizes would measure and serving mostly does not run); and `Mix`es, serving-like phases:
+requests of random lengths, a fixed number of them in flight, so decode batches of every size
+and context run beside prefill chunks of every size, as under live traffic. Every step's wall
+time (schedule, forward pass, sampling, update: what the real-time replay and the sim's virtual
+clock both count) is paired with its plan's `step_features`; the phases run several rounds and
+each step keeps the median of its rounds' times (another process on the machine slows one round,
+not all). A non-negative least-squares fit, relative to each step's time so short decode steps
+count as much as long prefills, gives the coefficients of a `SimProfile`
+(engine/sim_profile.py).
+
+The fit never sees the design's held-out `Mix` (measured in the same rounds); the R² and median
+relative error the profile reports are the fitted model's on those steps, and `check_fit` holds
+them to `MIN_R2` and `MAX_MEDIAN_ERROR`.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +42,16 @@ from tuner.traces import TraceRequest
 Progress = Callable[[str], None]
 Sample = tuple[tuple[float, ...], float]  # (step features, measured seconds)
 
+# a profile that predicts its held-out steps worse than this is refused (`check_fit`)
+MIN_R2 = 0.95
+MAX_MEDIAN_ERROR = 0.15
+# irregular sizes on purpose (see the module docstring); capped by max_num_seqs / max_model_len
+GRID_BATCHES = (1, 2, 3, 5, 8, 13, 21, 34)
+GRID_PROMPTS = (24, 90, 250, 500, 1000)
+MIX_CONCURRENCY = (2, 6, 16)  # the mixes fitted
+HELD_OUT_CONCURRENCY = 4  # the mix held out
+MIN_PROMPT, MIN_OUTPUT = 16, 4  # a mix's shortest request
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -40,20 +60,87 @@ class Phase:
     output_tokens: int = 16
     staggered: bool = False  # add one request per step instead of all at once
 
+    def lengths(self) -> list[tuple[int, int]]:
+        """(prompt tokens, output tokens) of each request, in the order they are added."""
+        return [(self.prompt_tokens, self.output_tokens)] * self.batch
 
-def default_phases(config: EngineConfig, max_position: int,
-                   max_phase_tokens: int = 8192) -> list[Phase]:
-    """Batches of 1 to max_num_seqs requests at contexts of 16 to 1,024 tokens (within
-    max_model_len), at once and staggered, each phase at most `max_phase_tokens` of prompt:
-    a few hundred steps, seconds on a CPU with random:tiny."""
+    def admit(self, in_flight: int) -> int:
+        """How many more requests join before the next step."""
+        return 1 if self.staggered else self.batch
+
+    def describe(self) -> str:
+        return (f"{self.batch} x {self.prompt_tokens} tokens"
+                f"{', staggered' if self.staggered else ''}")
+
+
+@dataclass(frozen=True)
+class Mix:
+    """Serving-like steps: `requests` requests of random lengths (prompts 16 to
+    `max_prompt_tokens`, outputs 4 to `max_output_tokens`, fixed by `seed`), `concurrency` of
+    them in flight (one joins as one finishes)."""
+
+    requests: int
+    concurrency: int
+    max_prompt_tokens: int
+    max_output_tokens: int = 48
+    seed: int = 0
+
+    def lengths(self) -> list[tuple[int, int]]:
+        rng = random.Random(self.seed)
+        return [(rng.randint(MIN_PROMPT, max(self.max_prompt_tokens, MIN_PROMPT)),
+                 rng.randint(MIN_OUTPUT, max(self.max_output_tokens, MIN_OUTPUT)))
+                for _ in range(self.requests)]
+
+    def admit(self, in_flight: int) -> int:
+        return max(self.concurrency - in_flight, 0)
+
+    def describe(self) -> str:
+        return (f"mix of {self.requests}, {self.concurrency} in flight, prompts to "
+                f"{self.max_prompt_tokens}")
+
+
+CalibrationPhase = Phase | Mix
+
+
+@dataclass(frozen=True)
+class Design:
+    train: Sequence[CalibrationPhase]  # what the coefficients are fitted on
+    held_out: Sequence[CalibrationPhase]  # what the fit is judged on
+
+    @property
+    def phases(self) -> list[CalibrationPhase]:
+        return [*self.train, *self.held_out]
+
+
+def default_design(config: EngineConfig, max_position: int,
+                   max_phase_tokens: int = 4096) -> Design:
+    """Grid phases of `GRID_BATCHES` x `GRID_PROMPTS` (within max_num_seqs and max_model_len),
+    at once and staggered, each at most `max_phase_tokens` of prompt, plus mixes at
+    `MIX_CONCURRENCY`; held out, a mix at `HELD_OUT_CONCURRENCY`. On a CPU with random:tiny: a
+    few hundred steps a round, about a minute for three rounds."""
     limit = min(config.max_model_len or max_position, max_position)
-    prompts = sorted({p for p in (16, 128, 512, 1024) if p + 24 <= limit} or {limit // 2})
-    batches = sorted({min(b, config.max_num_seqs) for b in (1, 4, 16, 32)})
-    phases = [Phase(b, p) for b in batches for p in prompts if b * p <= max_phase_tokens]
+    prompts = [p for p in GRID_PROMPTS if p + 24 <= limit] or [max(limit // 2, 1)]
+    batches = sorted({min(b, config.max_num_seqs) for b in GRID_BATCHES})
+    train: list[CalibrationPhase] = [Phase(b, p, output_tokens=12) for p in prompts
+                                     for b in batches if b * p <= max_phase_tokens]
     for p in prompts:
         batch = max(1, min(max(batches), max_phase_tokens // p))
-        phases.append(Phase(batch, p, output_tokens=24, staggered=True))
-    return phases
+        train.append(Phase(batch, p, output_tokens=20, staggered=True))
+    max_output = max(MIN_OUTPUT, min(48, limit // 4))
+    mixes = [_mix(c, max(prompts), max_output, max_phase_tokens, config.max_num_seqs, seed)
+             for seed, c in enumerate((HELD_OUT_CONCURRENCY, *MIX_CONCURRENCY))]
+    return Design([*train, *mixes[1:]], mixes[:1])
+
+
+def _mix(concurrency: int, top_prompt: int, max_output: int, max_phase_tokens: int,
+         max_num_seqs: int, seed: int) -> Mix:
+    """A mix whose prompts total about `max_phase_tokens`: the more in flight, the shorter the
+    prompts, so that two to four times `concurrency` requests pass through it."""
+    concurrency = min(concurrency, max_num_seqs)
+    max_prompt = max(MIN_PROMPT, min(top_prompt, 2 * max_phase_tokens // (3 * concurrency)))
+    requests = max(2 * concurrency, max_phase_tokens * 2 // (MIN_PROMPT + max_prompt))
+    requests = min(requests, 4 * concurrency + 4)  # short prompts (a small max_model_len)
+    return Mix(requests, concurrency, max_prompt, max_output, seed=seed)
 
 
 class RecordingExecutor:
@@ -95,30 +182,30 @@ class Calibrator:
         self.prompts = PromptBuilder(self.recorder.vocab_size)
         self._ids = itertools.count()
 
-    def run(self, phase: Phase) -> list[Sample]:
+    def run(self, phase: CalibrationPhase) -> list[Sample]:
         """Every step of one phase that ran the model, with its wall time."""
         engine = self.engine
         samples: list[Sample] = []
-        pending = [self._add_args(phase) for _ in range(phase.batch)]
-        if not phase.staggered:
-            for args in pending:
-                engine.add_request(*args)
-            pending = []
-        while pending or engine.has_unfinished():
-            if pending:
+        pending = [self._add_args(p, o) for p, o in reversed(phase.lengths())]
+        in_flight = 0
+        while pending or in_flight:
+            for _ in range(min(phase.admit(in_flight), len(pending))):
                 engine.add_request(*pending.pop())
+                in_flight += 1
             self.recorder.last_features = None
             started = self.clock()
-            engine.step()
+            output = engine.step()
             elapsed = self.clock() - started
+            in_flight -= len(output.finished)
             if self.recorder.last_features is not None:
                 samples.append((self.recorder.last_features, elapsed))
         return samples
 
-    def _add_args(self, phase: Phase) -> tuple[str, list[int], SamplingParams]:
+    def _add_args(self, prompt_tokens: int,
+                  output_tokens: int) -> tuple[str, list[int], SamplingParams]:
         index = next(self._ids)  # a fresh prompt every time: no prefix-cache hits
-        trace = TraceRequest(0.0, phase.prompt_tokens, phase.output_tokens)
-        params = SamplingParams(max_tokens=phase.output_tokens, ignore_eos=True)
+        trace = TraceRequest(0.0, prompt_tokens, output_tokens)
+        params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
         return f"calibrate-{index}", self.prompts.build(index, trace), params
 
 
@@ -148,9 +235,9 @@ def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:
 
 
 def fit(samples: Sequence[Sample]) -> tuple[np.ndarray, dict[str, float]]:
-    """Coefficients (seconds per unit of each feature) and the fit's quality. Each step is
-    weighted by 1 / its time (relative error); steps the first fit misses by far (a GC pause,
-    the OS taking the core) are dropped before the second."""
+    """Coefficients (seconds per unit of each feature) and the fit's quality on the steps it
+    was fitted on. Each step is weighted by 1 / its time (relative error); steps the first fit
+    misses by far (a GC pause, the OS taking the core) are dropped before the second."""
     x = np.array([f for f, _ in samples], dtype=float)  # [num_steps, num_features]
     y = np.array([t for _, t in samples], dtype=float)  # [num_steps]
     keep = np.ones(len(y), dtype=bool)
@@ -160,13 +247,17 @@ def fit(samples: Sequence[Sample]) -> tuple[np.ndarray, dict[str, float]]:
         keep = relative <= max(4 * float(np.median(relative)), 0.25)
     predicted = x @ coefficients
     relative = np.abs(predicted - y) / y
-    kept_y, kept_predicted = y[keep], predicted[keep]  # R^2 of the steps the fit describes
-    r2 = 1 - float(np.sum((kept_y - kept_predicted) ** 2)
-                   / max(np.sum((kept_y - kept_y.mean()) ** 2), 1e-30))
-    quality = {"steps": len(y), "outliers_dropped": int((~keep).sum()), "r2": round(r2, 4),
+    quality = {"steps": len(y), "outliers_dropped": int((~keep).sum()),
+               # R^2 of the steps the fit describes
+               "r2": round(r_squared(y[keep], predicted[keep]), 4),
                "median_rel_error": round(float(np.median(relative)), 4),
                "p90_rel_error": round(float(np.percentile(relative, 90)), 4)}
     return coefficients, quality
+
+
+def r_squared(measured: np.ndarray, predicted: np.ndarray) -> float:
+    residual = float(np.sum((measured - predicted) ** 2))
+    return 1 - residual / max(float(np.sum((measured - measured.mean()) ** 2)), 1e-30)
 
 
 def _relative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -176,45 +267,80 @@ def _relative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return nnls(a / scale, np.ones(len(y))) / scale
 
 
-def calibrate(config: EngineConfig, phases: Sequence[Phase] | None = None, repeats: int = 3,
-              max_phase_tokens: int = 8192, progress: Progress | None = None) -> SimProfile:
-    """Measure the real engine under `config` over `phases` (default: `default_phases`),
-    `repeats` rounds, and fit a profile of it."""
+def calibrate(config: EngineConfig, design: Design | None = None, repeats: int = 3,
+              max_phase_tokens: int = 4096, progress: Progress | None = None) -> SimProfile:
+    """Measure the real engine under `config` over `design` (default: `default_design`),
+    `repeats` rounds, fit a profile of it on the design's training phases and judge the fit on
+    its held-out ones (the profile's `fit`: `r2`, `median_rel_error` and `p90_rel_error` of
+    the held-out steps, `train_r2` and `train_median_rel_error` of the fitted ones)."""
     say = progress or (lambda _: None)
     say(f"loading {config.model} ...")
     calibrator = Calibrator(config)
     engine = calibrator.engine
-    phases = list(phases or default_phases(engine.config, calibrator.recorder.max_position,
-                                           max_phase_tokens))
+    design = design or default_design(engine.config, calibrator.recorder.max_position,
+                                      max_phase_tokens)
     calibrator.run(Phase(4, 64, 4))  # warm-up: first calls allocate and pick kernels
-    rounds: list[list[list[Sample]]] = []  # round -> phase -> steps
+    rounds = measure(calibrator, design.phases, repeats, say)
+    split = len(design.train)
+    train = [round_[:split] for round_ in rounds]
+    coefficients, in_sample = fit(median_over_rounds(train))
+    scale = mean_scale(coefficients, train)
+    coefficients = coefficients * scale
+    held_out = evaluate(coefficients, median_over_rounds([r[split:] for r in rounds]))
+    quality = {"steps": in_sample["steps"], "held_out_steps": held_out["steps"],
+               "outliers_dropped": in_sample["outliers_dropped"], "r2": held_out["r2"],
+               "median_rel_error": held_out["median_rel_error"],
+               "p90_rel_error": held_out["p90_rel_error"], "train_r2": in_sample["r2"],
+               "train_median_rel_error": in_sample["median_rel_error"],
+               "mean_scale": round(scale, 4)}
+    say(f"fit over {quality['steps']} steps (R^2 {in_sample['r2']:.3f}, median relative error "
+        f"{in_sample['median_rel_error']:.1%}), scaled x{scale:.3f} to a round's total; on "
+        f"{quality['held_out_steps']} held-out steps: R^2 {quality['r2']:.3f}, median relative "
+        f"error {quality['median_rel_error']:.1%}, p90 {quality['p90_rel_error']:.1%}")
+    return _profile(config, engine, coefficients, quality)
+
+
+def measure(calibrator: Calibrator, phases: Sequence[CalibrationPhase], repeats: int,
+            say: Progress) -> list[list[list[Sample]]]:
+    """round -> phase -> steps: every phase once a round, `repeats` rounds."""
+    rounds: list[list[list[Sample]]] = []
     started = time.perf_counter()
     for round_ in range(repeats):
         rounds.append([])
         for i, phase in enumerate(phases, 1):
             rounds[-1].append(calibrator.run(phase))
-            say(f"round {round_ + 1}/{repeats}, phase {i}/{len(phases)} ({phase.batch} x "
-                f"{phase.prompt_tokens} tokens{', staggered' if phase.staggered else ''}): "
+            say(f"round {round_ + 1}/{repeats}, phase {i}/{len(phases)} ({phase.describe()}): "
                 f"{sum(map(len, rounds[-1]))} steps, {time.perf_counter() - started:.1f} s")
-    coefficients, quality = fit(median_over_rounds(rounds))
-    scale = mean_scale(coefficients, [s for round_ in rounds for run in round_ for s in run])
-    coefficients, quality = coefficients * scale, {**quality, "mean_scale": round(scale, 4)}
-    say(f"fit over {quality['steps']} steps: R^2 {quality['r2']:.3f}, median relative error "
-        f"{quality['median_rel_error']:.1%}, p90 {quality['p90_rel_error']:.1%}; scaled "
-        f"x{scale:.3f} to the steps' mean")
-    return _profile(config, engine, coefficients, quality)
+    return rounds
 
 
-def mean_scale(coefficients: np.ndarray, samples: Sequence[Sample]) -> float:
-    """The every-step total over what the fit predicts for it (every round, nothing dropped).
-    The fit follows the typical step (medians, outliers out), so it is robust to a noisy
-    round; but a request's TPOT is the mean of its steps, pauses and interference included,
-    which the real engine pays too. Scaling the coefficients by this keeps the shape of the fit
-    and makes its total right. Bounded to [0.5, 2]: beyond that the calibration was disturbed."""
-    x = np.array([f for f, _ in samples], dtype=float)
-    y = np.array([t for _, t in samples], dtype=float)
-    predicted = float((x @ coefficients).sum())
-    return min(max(float(y.sum()) / predicted, 0.5), 2.0) if predicted > 0 else 1.0
+def check_fit(fit: dict[str, float], min_r2: float = MIN_R2,
+              max_median_error: float = MAX_MEDIAN_ERROR) -> str | None:
+    """Why a profile with this `fit` should not be used (held-out R^2 below `min_r2` or median
+    relative error above `max_median_error`), or None when it fits well."""
+    r2, error = fit.get("r2", float("nan")), fit.get("median_rel_error", float("nan"))
+    if r2 >= min_r2 and error <= max_median_error:  # NaN (a fit not reported) fails
+        return None
+    return (f"the fit is poor: held-out R^2 {r2:.3f} (at least {min_r2:g} needed), median "
+            f"relative step error {error:.1%} (at most {max_median_error:.0%})")
+
+
+def mean_scale(coefficients: np.ndarray, rounds: Sequence[Sequence[Sequence[Sample]]]) -> float:
+    """The measured total of a round's steps over what the fit predicts for them (nothing
+    dropped), the median over the rounds. The fit follows the typical step (medians, outliers
+    out), so it is robust to a noisy round; but a request's TPOT is the mean of its steps,
+    pauses and interference included, which the real engine pays too. Scaling the coefficients
+    by this keeps the shape of the fit and makes its total right; the median over rounds keeps
+    one round that another process slowed throughout from scaling the whole profile. Bounded
+    to [0.5, 2]: beyond that the calibration was disturbed."""
+    ratios = []
+    for round_ in rounds:
+        samples = [s for run in round_ for s in run]
+        x = np.array([f for f, _ in samples], dtype=float).reshape(len(samples), -1)
+        predicted = float((x @ coefficients).sum()) if len(samples) else 0.0
+        if predicted > 0:
+            ratios.append(sum(t for _, t in samples) / predicted)
+    return min(max(float(np.median(ratios)), 0.5), 2.0) if ratios else 1.0
 
 
 def median_over_rounds(rounds: Sequence[Sequence[Sequence[Sample]]]) -> list[Sample]:
@@ -247,8 +373,17 @@ def _profile(config: EngineConfig, engine: LLMEngine, coefficients: np.ndarray,
             EngineConfig(), k)})
 
 
-def evaluate(profile: SimProfile, samples: Sequence[Sample]) -> dict[str, float]:
-    """How well `profile` predicts measured steps it was not fitted on."""
-    relative = sorted(abs(profile.predict(f) - t) / t for f, t in samples)
-    return {"steps": len(relative), "median_rel_error": float(np.median(relative)),
-            "p90_rel_error": float(np.percentile(relative, 90))}
+def evaluate(model: SimProfile | np.ndarray, samples: Sequence[Sample]) -> dict[str, float]:
+    """How well `model` (a profile, or coefficients in `FEATURES` order) predicts measured
+    steps it was not fitted on: R^2 and the median and p90 relative error, nothing dropped."""
+    weights = np.asarray(model.weights if isinstance(model, SimProfile) else model, dtype=float)
+    x = np.array([f for f, _ in samples], dtype=float).reshape(len(samples), len(weights))
+    y = np.array([t for _, t in samples], dtype=float)
+    if not len(y):
+        return {"steps": 0, "r2": float("nan"), "median_rel_error": float("nan"),
+                "p90_rel_error": float("nan")}
+    predicted = x @ weights
+    relative = np.abs(predicted - y) / y
+    return {"steps": len(y), "r2": round(r_squared(y, predicted), 4),
+            "median_rel_error": round(float(np.median(relative)), 4),
+            "p90_rel_error": round(float(np.percentile(relative, 90)), 4)}
