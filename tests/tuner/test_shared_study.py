@@ -73,7 +73,9 @@ def check_shared_study(study: optuna.Study, size: int, baselines: list[str]) -> 
     labels = [t.user_attrs["baseline"] for t in trials if "baseline" in t.user_attrs]
     assert sorted(labels) == sorted(baselines)  # each enqueued once, by one of the joiners
     assert study.user_attrs["baselines"] == baselines
-    assert {t.user_attrs["worker"] for t in complete} == {0, 1}  # the --workers 2 one's second
+    # the --workers 2 joiner's second worker may find the study full by the time it has
+    # spawned (sim trials take milliseconds here): it may run none, never another's knobs
+    assert {t.user_attrs["worker"] for t in complete} <= {0, 1}
 
 
 @pytest.mark.skipif(PG_SKIP is not None, reason=PG_SKIP or "")
