@@ -116,9 +116,8 @@ def default_design(config: EngineConfig, max_position: int,
                    max_phase_tokens: int = 4096) -> Design:
     """Grid phases of `GRID_BATCHES` x `GRID_PROMPTS` (within max_num_seqs and max_model_len),
     at once and staggered, each at most `max_phase_tokens` of prompt, plus mixes at
-    `MIX_CONCURRENCY`; held out, a mix at `HELD_OUT_CONCURRENCY`. On a CPU with random:tiny: a
-    thousand steps a round; three rounds take about 30 s on 2 idle cores with random:tiny at the
-    default knobs (minutes when other processes share the cores)."""
+    `MIX_CONCURRENCY`; held out, a mix at `HELD_OUT_CONCURRENCY`. About a thousand steps a
+    round; three take about 30 s on 2 idle CPU cores with random:tiny at the default knobs (minutes when other processes share the cores)."""
     limit = min(config.max_model_len or max_position, max_position)
     prompts = [p for p in GRID_PROMPTS if p + 24 <= limit] or [max(limit // 2, 1)]
     batches = sorted({min(b, config.max_num_seqs) for b in GRID_BATCHES})
