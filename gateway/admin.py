@@ -24,7 +24,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.proxy import read_json
 from gateway.state import AUTH, GATEWAY, JOBS, STORE
 from protocol.errors import ApiError, bad_request
-from tenants import DuplicateTenantError, TenantError, TenantInfo, TenantNotFoundError
+from tenants import (
+    DuplicateTenantError,
+    KeyNotFoundError,
+    TenantError,
+    TenantInfo,
+    TenantNotFoundError,
+)
 from tenants.values import check_tenant_name, strictest_slos, tenant_from_mapping
 
 DATABASE_TIMEOUT_S = 5.0
@@ -145,6 +151,19 @@ async def create_key(request: web.Request) -> web.Response:
         raise ApiError(404, str(exc), code="tenant_not_found", param="name") from None
     return web.json_response({"id": info.id, "tenant": info.tenant, "key": plaintext},
                              status=201)
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    """DELETE /admin/keys/{id}: revoke a key (idempotent). Refused at once here, and on the
+    other replicas at once through Redis when gateway.redis is set, else once their cache of it
+    expires (5 s)."""
+    request.app[AUTH].check_admin(request)
+    try:
+        async with _database():
+            info = await request.app[STORE].revoke_key(request.match_info["id"])
+    except KeyNotFoundError as exc:
+        raise ApiError(404, str(exc), code="key_not_found", param="id") from None
+    return web.json_response(dataclasses.asdict(info))
 
 
 async def tenant_usage(request: web.Request) -> web.Response:
@@ -403,6 +422,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/admin/tenants", list_tenants)
     app.router.add_post("/admin/tenants", create_tenant)
     app.router.add_post("/admin/tenants/{name}/keys", create_key)
+    app.router.add_delete("/admin/keys/{id}", revoke_key)
     app.router.add_get("/admin/usage/{name}", tenant_usage)
     app.router.add_get("/admin/queues", queues)
     app.router.add_get("/admin/shadow", list_shadows)

@@ -29,7 +29,7 @@ from gateway.dispatch import tick
 from gateway.jobs import JobManager
 from gateway.metrics import GatewayMetrics
 from gateway.service import Gateway
-from gateway.shared import SharedRateLimiter, make_limiter
+from gateway.shared import KeyRevocations, SharedRateLimiter, make_limiter
 from gateway.shared_fair import SharedFairState
 from gateway.state import AUTH, GATEWAY, JOBS, METRICS, SETTINGS, STORE
 from protocol.errors import ApiError
@@ -70,7 +70,8 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     app[GATEWAY] = gw
     app[AUTH] = Authenticator(store, settings.admin_key,
                               failures_per_s=settings.auth_failures_per_s,
-                              failure_burst=settings.auth_failure_burst)
+                              failure_burst=settings.auth_failure_burst,
+                              outage_grace_s=settings.auth_outage_grace_s)
     _read_at_scrape(metrics, gw, app[AUTH])
     app[JOBS] = JobManager(JobStore(store.db), settings.jobs.storage or database,
                            Path(settings.jobs.dir), settings.jobs.max_running,
@@ -82,6 +83,10 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
         app.cleanup_ctx.append(shared_state)
     if gw.shared_fair is not None:  # starts once Redis is connected, stops before it closes
         app.cleanup_ctx.append(gw.shared_fair.lifespan)
+    if isinstance(limiter, SharedRateLimiter):  # revoked keys refused on every replica at once
+        revocations = KeyRevocations(limiter, on_revoked=store.forget_key)
+        store.on_revoke(revocations.publish)
+        app.cleanup_ctx.append(revocations.lifespan)
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     admin.add_routes(app)
@@ -118,6 +123,9 @@ def _read_at_scrape(metrics: GatewayMetrics, gw: Gateway, auth: Authenticator) -
                            "database did not answer", lambda: auth.lookup_failures)
     metrics.read_at_scrape("fairgate_gateway_auth_held_back", "Unseen keys answered 429 because "
                            "their address spent its failed-lookup budget", lambda: auth.held_back)
+    metrics.read_at_scrape("fairgate_gateway_auth_outage_answers", "Keys answered with their "
+                           "last known tenant because the tenant database was away",
+                           lambda: auth.outage_answers)
     for backend in gw.pool.backends:
         if isinstance(backend, EmbeddedBackend):
             metrics.add_engine(backend.engine)
@@ -277,16 +285,23 @@ def _shared_state(gw: Gateway) -> dict[str, Any]:
     return status
 
 
+def _database_check(auth: Authenticator, reason: str | None) -> dict[str, Any]:
+    if reason is None:
+        return {"ok": True}
+    return {"ok": False, "detail": f"degraded: database: {reason}; keys seen in the last "
+            f"{auth.outage_grace_s:g} s keep working, unknown keys get 503 until it answers"}
+
+
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when a backend is reachable and the tenant database answers (without it no new
-    key can be authenticated), with what is wrong when not."""
+    """Ready when a backend is reachable, with what is wrong when not. The tenant database
+    away is a degraded state, reported but not a reason to be unready: keys seen lately keep
+    working (gateway/auth.py), and failing every replica's pod would fail every tenant."""
     backends = request.app[GATEWAY].pool.healthy
-    database = await request.app[AUTH].database_ready()
+    auth = request.app[AUTH]
     checks = {"backends": {"ok": backends} if backends else
               {"ok": False, "detail": "no engine backend is reachable"},
-              "database": {"ok": True} if database is None else
-              {"ok": False, "detail": database},
+              "database": _database_check(auth, await auth.database_ready()),
               # reported, not a reason to be unready: without Redis, limits are local
               "shared_state": _shared_state(request.app[GATEWAY])}
-    ready = backends and database is None
+    ready = backends
     return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from gateway.auth import DEFAULT_OUTAGE_GRACE_S
 from gateway.fairqueue import DISPATCH_POLICIES
 from gateway.shared import split_redis_url
 from protocol.openai import server_root
@@ -238,6 +239,9 @@ class GatewayConfig:
     # database lookup (a bucket refilled at this rate, holding up to the burst); 0: no bound
     auth_failures_per_s: float = 10.0
     auth_failure_burst: int = 20
+    # while the tenant database is away, keys that authenticated within this many seconds keep
+    # working with their last known limits and weights (unknown keys: 503); 0: none do
+    auth_outage_grace_s: float = DEFAULT_OUTAGE_GRACE_S
     # where usage records go when the database is still away at shutdown (written at the next
     # start; one file per database URL)
     usage_spill_dir: str = "."
@@ -282,6 +286,7 @@ class GatewayConfig:
                                                or len(self.metrics_token) < 16):
             raise ValueError("gateway.metrics_token must be a string of at least 16 characters")
         check_number("gateway.auth_failures_per_s", self.auth_failures_per_s, low=0)
+        check_number("gateway.auth_outage_grace_s", self.auth_outage_grace_s, low=0)
         if self.usage_retention_days is not None:
             check_number("gateway.usage_retention_days", self.usage_retention_days, low=0,
                          open_low=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import time
 from importlib import resources
@@ -119,13 +118,9 @@ async def login(request: web.Request) -> web.Response:
                        code="admin_disabled")
     if not _same_origin(request):
         raise ApiError(403, "a login from another site's page", code="cross_origin")
-    client, now = request.remote or "", time.monotonic()
-    auth._check_budget(client, now)  # the failed-key budget per address, as for API keys
     form = await request.post()
-    key = form.get("key")
-    if not isinstance(key, str) or not hmac.compare_digest(key.encode(),
-                                                           auth.admin_key.encode()):
-        auth._spend(client, now)
+    # the failed-attempt budget per address that /admin/*'s bearer keys and API keys spend
+    if not auth.admin_key_matches(request.remote or "", form.get("key")):
         raise web.HTTPSeeOther("/dashboard/login?failed=1")
     response = web.HTTPSeeOther("/dashboard")
     secure = _secure(request)

@@ -23,8 +23,9 @@ from gateway.jobs import JOB_FILES, JOB_ID_PATTERN, job_spec_schema
 from protocol import openapi as protocol_schemas
 from protocol.openapi import Schema, nullable
 from protocol.priority import PRIORITIES
-from tenants import TenantInfo, TenantLimits
+from tenants import KeyInfo, TenantInfo, TenantLimits
 from tenants import values as tenant_values
+from tenants.keys import KEY_ID_PATTERN
 
 # ---- the tenant bodies, from tenants.values' dataclasses -------------------------------------
 # tenants.values' rules as JSON Schema: every limit is a positive integer its database column
@@ -108,6 +109,8 @@ GATEWAY_SCHEMAS: dict[str, Schema] = {
     "TenantList": _object(data={"type": "array", "items": dataclass_schema(TenantInfo)}),
     "Key": _object(id=STRING, tenant=STRING, key={**STRING, "description": "The key's "
                                                   "plaintext: shown this once, never again."}),
+    "KeyInfo": {**dataclass_schema(KeyInfo), "description": "A key's public facts (never the "
+                "key)."},
     "ModelList": _object(object={"const": "list"}, data={"type": "array", "items": _object(
         id=STRING, object={"const": "model"}, created=COUNT, owned_by=STRING)}),
     "TenantUsage": _object(object={"const": "usage"}, tenant=STRING,
@@ -277,6 +280,11 @@ ROUTES = (
     Route("post", "/admin/tenants/{name}/keys", "A new API key for a tenant.",
           {201: _json("Key", "Created.")}, (400, 401, 404, 503), "adminKey",
           parameters=(_TENANT,)),
+    Route("delete", "/admin/keys/{id}", "Revoke a key (idempotent): refused at once here, and "
+          "on the other replicas at once with gateway.redis (else within their 5 s key cache).",
+          {200: _json("KeyInfo", "Revoked.")}, (401, 404, 503), "adminKey",
+          parameters=({"name": "id", "in": "path", "required": True,
+                       "schema": {"type": "string", "pattern": KEY_ID_PATTERN}},)),
     Route("get", "/admin/usage/{name}", "A tenant's usage.",
           {200: _json("TenantUsage", "Requests and tokens.")}, (400, 401, 404, 503), "adminKey",
           parameters=(_TENANT, _WINDOW)),
@@ -372,7 +380,8 @@ ROUTES = (
     Route("get", "/health", "Liveness (the path vLLM and SGLang serve).",
           {200: _json("Health", "Alive.")}),
     Route("get", "/healthz", "Liveness.", {200: _json("Health", "Alive.")}),
-    Route("get", "/readyz", "Readiness: a backend is reachable and the database answers.",
+    Route("get", "/readyz", "Readiness: a backend is reachable (the database away is reported "
+          "as degraded, not unready).",
           {200: _json("Ready", "Ready."), 503: _json("Ready", "Not ready, and why.")}),
     Route("get", "/metrics", "Prometheus metrics (only with gateway.metrics_token here; the "
           "metrics listener serves them too).",
@@ -392,7 +401,10 @@ SECURITY_SCHEMES = {
 
 def _operation(route: Route) -> Schema:
     responses = {str(status): r for status, r in route.responses.items()}
-    responses.update({str(status): _error_response(status) for status in route.errors})
+    errors = set(route.errors)
+    if route.security == "adminKey":  # wrong admin keys spend the failed-attempt budget
+        errors.add(429)
+    responses.update({str(status): _error_response(status) for status in sorted(errors)})
     operation: Schema = {"summary": route.summary, "responses": responses}
     if route.security is not None:
         operation["security"] = [{route.security: []}]

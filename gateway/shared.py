@@ -14,6 +14,9 @@ Redis away: every replica enforces each tenant's full limit by itself (`RateLimi
 tenant may get up to N times its limit while it lasts but no request fails because of Redis;
 the log, `fairgate_gateway_redis_up` and /readyz's check say so. A probe finds Redis again and
 shared windows resume (charges made locally meanwhile stay local).
+
+The same Redis carries key revocations (`KeyRevocations`, pub/sub): a key revoked on one
+replica is refused on every replica at once, not when their key caches expire.
 """
 
 from __future__ import annotations
@@ -403,6 +406,80 @@ class SharedRateLimiter:
         return parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"
 
 
+class KeyRevocations:
+    """Revoked keys told to every replica at once: a replica that revokes a key publishes its
+    id (never the key) on `<key_prefix>:revoked-keys`, and every replica that hears it calls
+    `on_revoked(key_id)`, which drops the key from its cache, its last known answer too, so a
+    replica that cannot reach the database does not serve it from its outage grace. Published
+    while Redis is away, the message is lost and logged: the other replicas then refuse the key
+    once their cache entry expires and the database answers."""
+
+    def __init__(self, limiter: SharedRateLimiter, on_revoked: Callable[[str], None]) -> None:
+        self.limiter = limiter
+        self.channel = f"{limiter.prefix}:revoked-keys"
+        self.on_revoked = on_revoked
+        self.heard = 0  # revocations received (this replica's own among them)
+        self._sending: set[asyncio.Task[None]] = set()
+        self._listener: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()  # set while subscribed
+
+    async def lifespan(self, app: object) -> AsyncIterator[None]:
+        """After the limiter's (its Redis client), before it closes; a replica that serves
+        has subscribed, when Redis answers."""
+        self._listener = asyncio.create_task(self._listen(), name="key-revocations")
+        if self.limiter.up:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._subscribed.wait(), self.limiter.call_timeout)
+        try:
+            yield
+        finally:
+            self._listener.cancel()
+            if self._sending:
+                await asyncio.wait(list(self._sending), timeout=self.limiter.call_timeout)
+            await asyncio.gather(self._listener, return_exceptions=True)
+
+    def publish(self, key_id: str) -> None:
+        """Tell the other replicas, without waiting (a revoke is not failed for Redis)."""
+        task = asyncio.create_task(self._publish(key_id))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _publish(self, key_id: str) -> None:
+        try:
+            async with asyncio.timeout(self.limiter.call_timeout):
+                await self.limiter._client.publish(self.channel, key_id)
+        except Exception as exc:  # noqa: BLE001 - logged; the cache TTL still bounds it
+            log.warning("revoked key %s was not told to the other replicas (redis: %s); they "
+                        "refuse it when their cache of it expires", key_id, type(exc).__name__)
+
+    async def _listen(self) -> None:
+        """Subscribed while Redis answers; subscribed again after it fails."""
+        while True:
+            await self.limiter._back.wait()
+            pubsub = self.limiter._client.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                self._subscribed.set()
+                while self.limiter.up:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                       timeout=PROBE_INTERVAL_S)
+                    if message is not None and message["type"] == "message":
+                        self.heard += 1
+                        self.on_revoked(_text(message["data"]))
+            except Exception as exc:  # noqa: BLE001 - Redis failed: wait for it, then again
+                log.warning("key revocations from other replicas are not heard (redis: %s) "
+                            "until it answers", type(exc).__name__)
+                await asyncio.sleep(PROBE_INTERVAL_S)
+            finally:
+                self._subscribed.clear()
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+
+def _text(data: bytes | str) -> str:
+    return data.decode() if isinstance(data, bytes) else data
+
+
 def make_limiter(redis_url: str | None, metrics: GatewayMetrics) -> tuple[
         RateLimiter | SharedRateLimiter, Callable[[Any], AsyncIterator[None]] | None]:
     """The gateway's limiter and, when it is shared, the cleanup context that runs it."""
@@ -412,4 +489,5 @@ def make_limiter(redis_url: str | None, metrics: GatewayMetrics) -> tuple[
     return shared, shared.lifespan
 
 
-__all__ = ["SharedCharge", "SharedRateLimiter", "make_limiter", "split_redis_url"]
+__all__ = ["KeyRevocations", "SharedCharge", "SharedRateLimiter", "make_limiter",
+           "split_redis_url"]

@@ -17,6 +17,11 @@ KEY_BODY_LEN = 43  # secrets.token_urlsafe(32): 32 bytes in URL-safe base64, unp
 DISPLAY_PREFIX_LEN = 10  # "fg-" + 7 characters: enough to tell keys apart, useless to guess
 KEY_RE = re.compile(rf"{re.escape(KEY_PREFIX)}[A-Za-z0-9_-]{{{KEY_BODY_LEN}}}")
 _HASH_RE = re.compile(r"^(sha256|hmac-sha256):[0-9a-f]{64}$")
+KEY_ID_PATTERN = r"^key_[0-9a-f]{16}$"  # a key's public id (the admin API names keys by it)
+
+
+def new_key_id() -> str:
+    return "key_" + secrets.token_hex(8)
 
 
 def generate_key() -> str:

@@ -2,25 +2,35 @@
 
 Only key hashes are stored. `authenticate` caches positive answers for `cache_ttl` seconds (the
 hot path of every request); a revoke, update or delete made through this store clears the
-affected entries at once. Changes made by another process show up within `cache_ttl`.
+affected entries at once, and a lookup that was under way meanwhile asks again rather than
+cache what it read before the change. Changes made by another process show up within
+`cache_ttl`, or at once for a revocation told through `forget_key`. An entry past its TTL is
+kept (up to `_CACHE_MAX_ENTRIES`) as the key's last known answer, `last_known`, which the
+gateway serves while the database is away.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tenants.db import Database
-from tenants.keys import display_prefix, generate_key, hash_key, hashes_equal, looks_like_key
+from tenants.keys import (
+    display_prefix,
+    generate_key,
+    hash_key,
+    hashes_equal,
+    looks_like_key,
+    new_key_id,
+)
 from tenants.migrate import migrate
 from tenants.models import ApiKeyRow, TenantRow
 from tenants.values import (
@@ -42,6 +52,14 @@ log = logging.getLogger(__name__)
 _CACHE_MAX_ENTRIES = 10_000
 _LAST_USED_EVERY_S = 60.0  # write last_used_at at most this often per key (it costs a write)
 _TENANT_FIELDS = frozenset(f.name for f in dataclasses.fields(TenantInfo)) - {"id", "name"}
+_LOOKUP_ATTEMPTS = 3  # a lookup overtaken by this many changes in a row is answered uncached
+
+
+class _Checked(NamedTuple):
+    """A key's answer from the database and when it was read (monotonic seconds)."""
+
+    at: float
+    principal: Principal
 
 
 def row_to_info(row: TenantRow) -> TenantInfo:
@@ -113,8 +131,10 @@ class TenantStore:
         self.db = Database(database_url)
         self._secret = secret
         self.cache_ttl = cache_ttl
-        # key hash -> (expires at, principal); hashes, never plaintext, are held in memory
-        self._cache: OrderedDict[str, tuple[float, Principal]] = OrderedDict()
+        # key hash -> its last answer, fresh or not; hashes, never plaintext, are held in memory
+        self._cache: OrderedDict[str, _Checked] = OrderedDict()
+        self._changes = 0  # cache entries forgotten so far: a lookup overtaken asks again
+        self._revoke_listeners: list[Callable[[str], None]] = []
 
     @property
     def url(self) -> str:
@@ -248,8 +268,20 @@ class TenantStore:
             return key_row_to_info(row, name)
 
         info = await self.db.run(op)
-        self._forget(lambda p: p.key_id == key_id)
+        self.forget_key(key_id)
+        for listener in self._revoke_listeners:
+            listener(key_id)
         return info
+
+    def on_revoke(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(key_id)` after each key this store revokes (the gateway tells its
+        other replicas); not for revocations it only hears of through `forget_key`."""
+        self._revoke_listeners.append(listener)
+
+    def forget_key(self, key_id: str) -> None:
+        """Drop the key from the cache, its last known answer too: revoked elsewhere, it is
+        refused here at once, even while the database is away."""
+        self._forget(lambda p: p.key_id == key_id)
 
     # -- authentication -----------------------------------------------------------------------
 
@@ -263,25 +295,44 @@ class TenantStore:
         if not looks_like_key(plaintext):
             return None
         key_hash = self.hash_key(plaintext)
-        now = time.monotonic()
-        cached = self.cached_principal(key_hash, now)
+        cached = self.cached_principal(key_hash)
         if cached is not None:
             return cached
-        principal = await self._lookup(key_hash)
+        for _ in range(_LOOKUP_ATTEMPTS):
+            changes, at = self._changes, time.monotonic()
+            principal = await self._lookup(key_hash)
+            if changes == self._changes:  # nothing was revoked or changed while it ran
+                self._remember(key_hash, at, principal)
+                break
+        return principal
+
+    def _remember(self, key_hash: str, at: float, principal: Principal | None) -> None:
         self._cache.pop(key_hash, None)
         if principal is not None:
-            self._cache[key_hash] = (now + self.cache_ttl, principal)
+            self._cache[key_hash] = _Checked(at, principal)
             while len(self._cache) > _CACHE_MAX_ENTRIES:
                 self._cache.popitem(last=False)
-        return principal
 
     def cached_principal(self, key_hash: str, now: float | None = None) -> Principal | None:
         """The principal for `key_hash` while its cache entry is fresh, without awaiting: the
         gateway's hot path checks here before it starts a lookup."""
-        cached = self._cache.get(key_hash)
-        if cached is not None and cached[0] > (time.monotonic() if now is None else now):
-            return cached[1]
-        return None
+        seen = self._seen(key_hash, now)
+        return seen[0] if seen is not None and seen[1] < self.cache_ttl else None
+
+    def last_known(self, key_hash: str, max_age: float,
+                   now: float | None = None) -> Principal | None:
+        """The principal the database gave for `key_hash` if that was at most `max_age` s ago,
+        fresh or not: what the gateway serves while the database is away. None for a key never
+        seen, or forgotten since (revoked, changed, deleted)."""
+        seen = self._seen(key_hash, now)
+        return seen[0] if seen is not None and seen[1] <= max_age else None
+
+    def _seen(self, key_hash: str, now: float | None) -> tuple[Principal, float] | None:
+        """The key's last answer and its age in seconds."""
+        checked = self._cache.get(key_hash)
+        if checked is None:
+            return None
+        return checked.principal, (time.monotonic() if now is None else now) - checked.at
 
     async def _lookup(self, key_hash: str) -> Principal | None:
         async def op(s: AsyncSession) -> tuple[Principal, float | None] | None:
@@ -316,12 +367,14 @@ class TenantStore:
 
         await self.db.run(op)
 
-    def _forget(self, matches: Any) -> None:
-        for key_hash in [h for h, (_, p) in self._cache.items() if matches(p)]:
+    def _forget(self, matches: Callable[[Principal], bool]) -> None:
+        self._changes += 1
+        for key_hash in [h for h, checked in self._cache.items() if matches(checked.principal)]:
             del self._cache[key_hash]
 
     def forget_all(self) -> None:
         """Drop the whole authentication cache (after a bulk import, say)."""
+        self._changes += 1
         self._cache.clear()
 
     def known_key(self, key_hash: str) -> bool:
@@ -378,7 +431,7 @@ async def update_tenant_row(s: AsyncSession, row: TenantRow, info: TenantInfo) -
 
 async def add_key_row(s: AsyncSession, tenant: TenantRow, key_hash: str, prefix: str) -> KeyInfo:
     row = ApiKeyRow(
-        id="key_" + secrets.token_hex(8),
+        id=new_key_id(),
         tenant_id=tenant.id,
         prefix=prefix,
         key_hash=key_hash,
