@@ -418,7 +418,6 @@ class KeyRevocations:
         self.limiter = limiter
         self.channel = f"{limiter.prefix}:revoked-keys"
         self.on_revoked = on_revoked
-        self.heard = 0  # revocations received (this replica's own among them)
         self._sending: set[asyncio.Task[None]] = set()
         self._listener: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()  # set while subscribed
@@ -464,7 +463,6 @@ class KeyRevocations:
                     message = await pubsub.get_message(ignore_subscribe_messages=True,
                                                        timeout=PROBE_INTERVAL_S)
                     if message is not None and message["type"] == "message":
-                        self.heard += 1
                         self.on_revoked(_text(message["data"]))
             except Exception as exc:  # noqa: BLE001 - Redis failed: wait for it, then again
                 log.warning("key revocations from other replicas are not heard (redis: %s) "
