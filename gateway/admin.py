@@ -21,8 +21,9 @@ from typing import Any
 from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
+from gateway.jobs import MAX_PROFILE_BYTES, is_profile_name, profile_from_upload, profile_summary
 from gateway.proxy import read_json
-from gateway.state import AUTH, GATEWAY, JOBS, STORE
+from gateway.state import AUTH, GATEWAY, JOBS, SETTINGS, STORE
 from protocol.errors import ApiError, bad_request
 from tenants import (
     DuplicateTenantError,
@@ -416,6 +417,54 @@ async def tune_job_file(request: web.Request) -> web.StreamResponse:
         "Content-Type": f"{types[path.suffix]}; charset=utf-8"})
 
 
+# ---- sim profiles (gateway/jobs.py: SimProfiles) ----------------------------------------------
+async def list_sim_profiles(request: web.Request) -> web.Response:
+    """GET /admin/sim-profiles: the profiles a job may name in set.sim_profile."""
+    request.app[AUTH].check_admin(request)
+    profiles = request.app[JOBS].profiles
+    return web.json_response({"profiles": await asyncio.to_thread(profiles.describe)})
+
+
+async def put_sim_profile(request: web.Request) -> web.Response:
+    """PUT /admin/sim-profiles/{name} with a `fairgate tune calibrate` profile (YAML, or JSON):
+    checked as the simulator loads it and kept 0600 in jobs.dir/sim-profiles (201; 200 when it
+    replaced one)."""
+    request.app[AUTH].check_admin(request)
+    name = request.match_info["name"]
+    if not is_profile_name(name):
+        raise bad_request("a sim profile's name is letters, digits, '.', '_' and '-' (at most "
+                          "64, not starting with '.')", "name")
+    body = await _read_body(request, MAX_PROFILE_BYTES)
+    profile = await asyncio.to_thread(profile_from_upload, body,
+                                      request.content_type == "application/json")
+    profiles = request.app[JOBS].profiles
+    try:
+        replaced = await asyncio.to_thread(profiles.put, name, profile)
+    except OSError as exc:
+        raise ApiError(503, f"cannot write the sim profile ({exc.strerror or exc})",
+                       code="profiles_unavailable", retry_after=_RETRY_AFTER_S) from None
+    return web.json_response(profile_summary(name, profile), status=200 if replaced else 201)
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The body, at most `limit` bytes (413 past it), within gateway.client_timeout_s (408)."""
+    too_large = ApiError(413, f"the request body is larger than {limit} bytes",
+                         code="request_too_large")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    try:
+        async with asyncio.timeout(request.app[SETTINGS].client_timeout_s):
+            body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    except TimeoutError:
+        raise ApiError(408, "the request body did not arrive in time",
+                       code="client_timeout") from None
+    if len(body) > limit:
+        raise too_large
+    return body
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/usage", usage)
@@ -438,3 +487,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/admin/tune-jobs/{id}/resume", resume_tune_job)
     app.router.add_post("/admin/tune-jobs/{id}/apply", apply_tune_job)
     app.router.add_get("/admin/tune-jobs/{id}/files/{name}", tune_job_file)
+    app.router.add_get("/admin/sim-profiles", list_sim_profiles)
+    app.router.add_put("/admin/sim-profiles/{name}", put_sim_profile)

@@ -4,7 +4,10 @@ in the database (`tenants.jobs`, beside Optuna's tables), never on the gateway's
 A job spec is `fairgate tune`'s spec (tuner/options.py): its body goes through the same
 `TuneOptions.from_mapping` as the command line's flags, with the fields a job may set, and a
 mistake is a 400 naming the field. `captured_minutes` is a job's own: the gateway writes that
-window of its capture as the worker's trace. Nothing is made before the spec is checked; then
+window of its capture as the worker's trace. The gateway opens no path a spec gives: a sim
+profile is named from those it holds (`SimProfiles`: uploaded with PUT /admin/sim-profiles/NAME,
+or put in jobs.dir/sim-profiles by hand), read in a thread, capped and of regular files only,
+and the worker's spec holds that file's path. Nothing is made before the spec is checked; then
 the job's folder holds spec.json (the checked spec, SLOs settled, with its study and folder)
 and the worker is `python -m fairgate tune --spec DIR/spec.json` (a shadow job adds
 `--gateway URL`: this gateway, as it is reached now), its storage and the admin key in the
@@ -28,12 +31,16 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import shutil
 import socket
+import stat
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+import typing
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from engine.config import EngineConfig
+from engine.presets import MODEL_PRESETS, model_preset
+from engine.sim_profile import FEATURES, PROFILE_VERSION, SimProfile
 from gateway.config import ADMIN_KEY_ENV
 from protocol.errors import ApiError, bad_request
 from protocol.openai import server_root
@@ -65,6 +74,8 @@ JOB_FILES = ("report.html", "report.md", "best.yaml", "trials.csv", "recheck.csv
 SPEC_FILE = "spec.json"  # the worker's spec (`fairgate tune --spec`), in the job's folder
 TRACE_FILE = "trace.jsonl"  # captured_minutes: the capture's window, the worker's trace
 MAX_CAPTURED_MINUTES = 7 * 24 * 60
+MAX_WINDOW_REQUESTS = 200_000  # rate x duration: one window's requests (a trial replays them)
+RANDOM_MODELS = tuple(f"random:{name}" for name in MODEL_PRESETS)  # what `set.model` may name
 CAPTURED_MINUTES: Schema = {
     "type": "number", "exclusiveMinimum": 0, "maximum": MAX_CAPTURED_MINUTES,
     "description": "The last N minutes of captured traffic (gateway.capture) as the workload: "
@@ -134,11 +145,82 @@ def _parse_spec(body: Any, shadows: dict[str, str],
                               f"targets ({', '.join(sorted(shadows)) or 'none configured'}), "
                               f"got {options.shadow!r}")
         target = server_root(shadows[options.shadow])
-    try:  # a job's base config is the defaults with its knobs on top
-        EngineConfig.from_dict(dict(options.set))
+    _check_set(options)
+    _check_choices(options)
+    _check_window(options)
+    return JobSpec(settle_slos(options, default_slos, JOB), minutes, target)
+
+
+def _check_set(options: TuneOptions) -> None:
+    """A job's base config: the defaults with its knobs on top, its sim_model one that exists,
+    its model a random: preset and its sim profile a name (the file is read in `submit`)."""
+    from tuner.options import OptionError
+
+    knobs = dict(options.set)
+    profile = knobs.pop("sim_profile", None)
+    if profile is not None:
+        _check_profile_name("set", profile, options.mode)
+    model = knobs.get("model")
+    if model is not None and model not in RANDOM_MODELS:
+        raise OptionError("set", f"set.model must be one of {', '.join(RANDOM_MODELS)} in a "
+                                 "job: a checkpoint is its engine's own, in that engine's config")
+    try:
+        model_preset(EngineConfig.from_dict(knobs).sim_model)
     except (ValueError, TypeError) as exc:
         raise OptionError("set", f"set: {exc}") from None
-    return JobSpec(settle_slos(options, default_slos, JOB), minutes, target)
+
+
+def _check_choices(options: TuneOptions) -> None:
+    """Each choice of the space a value its knob takes: of the knob's type, and for a knob of
+    names (policy, sim_model, ...) a name the engine knows; sim profiles by name."""
+    from tuner.options import OptionError
+
+    space = options.space if isinstance(options.space, dict) else {}
+    for knob, dimension in space.items():
+        for value in dimension.get("choices") or ():
+            if knob == "sim_profile":
+                _check_profile_name("space", value, options.mode)
+                continue
+            try:
+                _check_knob_value(knob, value)
+            except (ValueError, TypeError) as exc:
+                raise OptionError("space", f"space.{knob}: choice {value!r}: {exc}") from None
+
+
+def _check_knob_value(knob: str, value: Any) -> None:
+    """ValueError unless `value` is of `knob`'s type (an integer where a number goes) and, a
+    name or a switch, one the engine takes (a number's fit is the trial's: it depends on the
+    other knobs)."""
+    hint = typing.get_type_hints(EngineConfig)[knob]
+    types = typing.get_args(hint) or (hint,)
+    kind = float if type(value) is int and float in types else type(value)
+    if kind not in types:
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        raise ValueError(f"{knob} takes {names}")
+    if knob == "sim_model":
+        model_preset(value)
+    elif kind in (str, bool):
+        EngineConfig.from_dict({knob: value})
+
+
+def _check_window(options: TuneOptions) -> None:
+    """rate x duration, the requests of one window, within MAX_WINDOW_REQUESTS (a trace
+    without a rate: as many as it holds)."""
+    from tuner.options import OptionError
+    from tuner.windows import DEFAULT_DURATION_S
+    from tuner.workload import Synthetic, get_workload
+
+    rate = options.rate
+    if rate is None and options.workload is not None:
+        workload = get_workload(options.workload)
+        rate = workload.default_rate if isinstance(workload, Synthetic) else None
+    if rate is None or options.mode == "shadow":
+        return
+    requests = rate * (options.duration or DEFAULT_DURATION_S)
+    if requests > MAX_WINDOW_REQUESTS:
+        field = "rate" if options.rate is not None else "duration"
+        raise OptionError(field, f"rate x duration is {requests:,.0f} requests a window; a job "
+                                 f"runs at most {MAX_WINDOW_REQUESTS:,}: lower rate or duration")
 
 
 def job_spec_schema() -> Schema:
@@ -153,25 +235,59 @@ def job_spec_schema() -> Schema:
         "sets (any combination, at least one; tenant_slos false: only those given). The "
         "worker runs `fairgate tune --spec spec.json` on the checked spec, written to the "
         "job's folder.")
+    knobs = schema["properties"]["set"]["anyOf"][0]
+    knobs["properties"] = {
+        "sim_profile": {"type": ["string", "null"], "pattern": PROFILE_NAME_PATTERN,
+                        "description": "mode sim: the name of a sim profile the gateway holds "
+                                       "(GET /admin/sim-profiles), never a path."},
+        "model": {"enum": [*RANDOM_MODELS, None], "description": "A random: preset; a "
+                  "checkpoint is its engine's own."},
+        "sim_model": {"enum": list(MODEL_PRESETS)}}
+    given = {"workload": {"type": "string"}, "captured_minutes": {"type": "number"}}
+    schema["allOf"] = [
+        {"not": {"required": list(given), "properties": given},
+         "description": "workload or captured_minutes, not both"},
+        {"if": {"required": ["mode"], "properties": {"mode": {"const": "shadow"}}},
+         "then": {"properties": {name: {"type": "null"} for name in given}},
+         "else": {"anyOf": [{"required": [name], "properties": {name: kind}}
+                            for name, kind in given.items()]},
+         "description": "mode shadow runs on mirrored live traffic; the others on a workload "
+                        "or captured_minutes"}]
     return schema
 
 
-def worker_options(options: TuneOptions, job_id: str, out: Path,
-                   captured: bool) -> TuneOptions:
-    """What the job's worker runs: the spec, its study and folder, its captured trace."""
-    return dataclasses.replace(options, study=job_id, out=str(out),
-                               trace=str(out / TRACE_FILE) if captured else None)
+JOB_RULES = (  # what the TuneJobSpec schema cannot say: the operation's description says it
+    "Refused with a 400 although the schema allows it: fields that do not go together (a "
+    "field for another mode than the job's, trials and timeout_s), a space or set the engine "
+    "cannot run (max_num_batched_tokens below max_num_seqs, a choice of the wrong type for "
+    "its knob), rate x duration over "
+    f"{MAX_WINDOW_REQUESTS:,} requests a window (a synthetic workload's rate is 10/s when "
+    "not given), set.sim_profile (or a space choice of it) that names no profile the gateway "
+    "holds, or in another mode than sim; captured_minutes without the gateway's capture or "
+    "with no request in that span; no SLO when no enabled tenant sets one.")
 
 
-def record_options(job: JobRecord) -> TuneOptions:
+def worker_options(options: TuneOptions, job_id: str, out: Path, captured: bool,
+                   profiles: Mapping[str, Path] | None = None) -> TuneOptions:
+    """What the job's worker runs: the spec, its study and folder, its captured trace, the
+    files of the sim profiles it names (`profiles`: name -> path)."""
+    return dataclasses.replace(with_profile_paths(options, profiles or {}), study=job_id,
+                               out=str(out), trace=str(out / TRACE_FILE) if captured else None)
+
+
+def record_options(job: JobRecord, profiles: Mapping[str, Path] | None = None) -> TuneOptions:
     """The worker's options from a job's row (a job queued before the gateway wrote spec
-    files: its row holds the checked spec)."""
+    files: its row holds the checked spec, its sim profiles by name)."""
+    options = row_options(job)
+    return worker_options(options, job.study, Path(job.out_dir),
+                          job.spec.get("captured_minutes") is not None, profiles)
+
+
+def row_options(job: JobRecord) -> TuneOptions:
     from tuner.options import JOB, TuneOptions
 
     fields = {k: v for k, v in job.spec.items() if k != "captured_minutes"}
-    options = dataclasses.replace(TuneOptions.from_mapping(fields, JOB), tenant_slos=False)
-    return worker_options(options, job.study, Path(job.out_dir),
-                          job.spec.get("captured_minutes") is not None)
+    return dataclasses.replace(TuneOptions.from_mapping(fields, JOB), tenant_slos=False)
 
 
 def write_spec_file(options: TuneOptions, path: Path) -> None:
@@ -194,6 +310,228 @@ def worker_argv(job: JobRecord, gateway_url: str | None) -> list[str]:
         assert gateway_url is not None
         argv += ["--gateway", gateway_url]
     return argv
+
+
+# ---- sim profiles: named, never a path -------------------------------------------------------
+PROFILE_FOLDER = "sim-profiles"  # under jobs.dir: jobs.dir/sim-profiles/NAME.yaml
+PROFILE_NAME_PATTERN = "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"  # no slash, no leading dot
+MAX_PROFILE_BYTES = 1 << 20
+MAX_PROFILE_INT = 2**31 - 1
+NOT_HELD = ("{field}.sim_profile must name one of the gateway's sim profiles (GET "
+            "/admin/sim-profiles lists them; PUT /admin/sim-profiles/NAME uploads one): a job "
+            "names a profile, never a path")
+_PROFILE_SCALARS = {"model": str, "device": str, "dtype": str}
+_PROFILE_COUNTS = ("max_position", "kv_tokens", "kv_bytes_per_token")
+SIM_PROFILE_SCHEMA: Schema = {
+    "type": "object", "additionalProperties": False,
+    "required": ["version", "coefficients", *_PROFILE_COUNTS],
+    "description": "A `fairgate tune calibrate` profile (engine/sim_profile.py): what was "
+                   "measured, the profiled engine's context and KV cache, the fitted seconds per "
+                   "unit of each step feature, the fit's report and the knobs it ran under.",
+    "properties": {
+        "version": {"const": PROFILE_VERSION},
+        **{name: {"type": "string"} for name in _PROFILE_SCALARS},
+        **{name: {"type": "integer", "minimum": 1, "maximum": MAX_PROFILE_INT}
+           for name in _PROFILE_COUNTS},
+        "coefficients": {"type": "object", "propertyNames": {"enum": list(FEATURES)},
+                         "additionalProperties": {"type": "number", "minimum": 0}},
+        "fit": {"type": "object", "additionalProperties": {"type": "number"}},
+        "calibration": {"type": "object", "additionalProperties": {
+            "type": ["string", "number", "boolean", "null"]}}}}
+
+
+class NotHeld(LookupError):
+    """A sim profile name the gateway holds no profile under (or a path: never one)."""
+
+
+def is_profile_name(name: Any) -> bool:
+    return isinstance(name, str) and re.fullmatch(PROFILE_NAME_PATTERN, name) is not None
+
+
+def _check_profile_name(field: str, value: Any, mode: str) -> None:
+    from tuner.options import OptionError
+
+    if not is_profile_name(value):
+        raise OptionError(field, NOT_HELD.format(field=field))
+    if mode != "sim":
+        raise OptionError(field, f"{field}.sim_profile is for mode sim: a {mode} job's engine "
+                                 "runs on its own config")
+
+
+def profile_names(options: TuneOptions) -> dict[str, str]:
+    """The sim profiles a spec names -> the field that names it (set or space)."""
+    names: dict[str, str] = {}
+    if options.set.get("sim_profile") is not None:
+        names[options.set["sim_profile"]] = "set"
+    space = options.space if isinstance(options.space, dict) else {}
+    for name in (space.get("sim_profile") or {}).get("choices") or ():
+        names.setdefault(name, "space")
+    return names
+
+
+def with_profile_paths(options: TuneOptions, paths: Mapping[str, Path]) -> TuneOptions:
+    """The options with each sim profile name replaced by its file's path (the worker's)."""
+    if not paths:
+        return options
+    knobs = dict(options.set)
+    if knobs.get("sim_profile") is not None:
+        knobs["sim_profile"] = str(paths[knobs["sim_profile"]])
+    space = options.space
+    if isinstance(space, dict) and "sim_profile" in space:
+        choices = space["sim_profile"]["choices"]
+        space = {**space, "sim_profile": {"choices": [str(paths[c]) for c in choices]}}
+    return dataclasses.replace(options, set=knobs, space=space)
+
+
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """The bytes of `path`, a regular file of at most `limit` bytes. NotHeld when it is missing,
+    a symlink, a FIFO, a device or a directory: refused before any read could block on it or
+    flood memory (O_NONBLOCK, O_NOFOLLOW, fstat); ValueError when it is larger. Blocking I/O:
+    call it in a thread."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        raise NotHeld(path.name) from None
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        regular = False
+    if not regular:
+        os.close(fd)
+        raise NotHeld(path.name)
+    with os.fdopen(fd, "rb") as file:
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"its file is larger than {limit} bytes")
+    return data
+
+
+def profile_from_upload(body: bytes, as_json: bool) -> SimProfile:
+    """An uploaded profile (YAML, or JSON when sent as JSON): each field as SIM_PROFILE_SCHEMA
+    says, then as the simulator loads it; ApiError 400 naming the field."""
+    try:
+        data = json.loads(body) if as_json else yaml.safe_load(body)
+    except (ValueError, yaml.YAMLError) as exc:
+        kind = "JSON" if as_json else "YAML"
+        raise bad_request(f"the body is not {kind}: {str(exc).splitlines()[0]}", None) from None
+    if not isinstance(data, dict):
+        raise bad_request("a sim profile is a mapping (`fairgate tune calibrate --out` writes "
+                          "one)", None)
+    allowed = SIM_PROFILE_SCHEMA["properties"]
+    for key, value in data.items():
+        if key not in allowed:
+            raise bad_request(f"unknown field {str(key)[:40]!r}; a sim profile has "
+                              f"{', '.join(allowed)}", str(key)[:40])
+        _check_profile_field(key, value)
+        if key == "version" or key in _PROFILE_COUNTS:
+            data[key] = int(value)  # JSON's 5.0 is JSON Schema's integer too
+    try:
+        return SimProfile.from_dict(data)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(str(exc), None) from None
+
+
+def _check_profile_field(key: str, value: Any) -> None:
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+    def whole(v: Any) -> bool:
+        return number(v) and float(v).is_integer()
+
+    if key == "version" and (not whole(value) or value != PROFILE_VERSION):
+        wrong = f"version must be {PROFILE_VERSION}"
+    elif key in _PROFILE_SCALARS and not isinstance(value, str):
+        wrong = f"{key} must be a string"
+    elif key in _PROFILE_COUNTS and (not whole(value) or not 1 <= value <= MAX_PROFILE_INT):
+        wrong = f"{key} must be a whole number from 1 to {MAX_PROFILE_INT}"
+    elif key == "coefficients" and not (isinstance(value, dict) and all(
+            k in FEATURES and number(v) and v >= 0 for k, v in value.items())):
+        wrong = f"coefficients must map features ({', '.join(FEATURES)}) to numbers >= 0"
+    elif key == "fit" and not (isinstance(value, dict) and all(
+            isinstance(k, str) and number(v) for k, v in value.items())):
+        wrong = "fit must map names to numbers"
+    elif key == "calibration" and not (isinstance(value, dict) and all(
+            isinstance(k, str) and (v is None or isinstance(v, str | bool) or number(v))
+            for k, v in value.items())):
+        wrong = "calibration must map knobs to their values (strings, numbers, true/false, null)"
+    else:
+        return
+    raise bad_request(wrong, key)
+
+
+@dataclass(frozen=True)
+class SimProfiles:
+    """The sim profiles a gateway holds, by name: `folder/NAME.yaml` (jobs.dir/sim-profiles),
+    uploaded or put there by hand. Every method does file I/O: call it in a thread."""
+
+    folder: Path
+
+    def path(self, name: str) -> Path:
+        return (self.folder / f"{name}.yaml").absolute()
+
+    def load(self, name: str) -> SimProfile:
+        """NotHeld unless `name` names a held profile; ValueError when its file is no profile."""
+        if not is_profile_name(name):
+            raise NotHeld(str(name)[:40])
+        try:
+            data = read_regular_file(self.path(name), MAX_PROFILE_BYTES)
+            return SimProfile.from_dict(yaml.safe_load(data))
+        except NotHeld:
+            raise NotHeld(name) from None
+        except (yaml.YAMLError, ValueError, TypeError) as exc:  # UnicodeDecodeError: a ValueError
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(f"{name!r} is not a valid profile: {reason}") from None
+
+    def resolve(self, names: Iterable[str]) -> dict[str, Path]:
+        """Each name's file, once it is read and loads as a profile (NotHeld, ValueError)."""
+        paths = {}
+        for name in names:
+            self.load(name)
+            paths[name] = self.path(name)
+        return paths
+
+    def names(self) -> list[str]:
+        try:
+            entries = list(os.scandir(self.folder))
+        except OSError:  # no folder yet: none uploaded
+            return []
+        return sorted(e.name.removesuffix(".yaml") for e in entries
+                      if e.name.endswith(".yaml") and e.is_file(follow_symlinks=False)
+                      and is_profile_name(e.name.removesuffix(".yaml")))
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each held profile: what was measured and its fit, or why it cannot be used."""
+        out: list[dict[str, Any]] = []
+        for name in self.names():
+            try:
+                out.append(profile_summary(name, self.load(name)))
+            except NotHeld:
+                continue  # gone, or replaced by something that is no file, meanwhile
+            except ValueError as exc:
+                out.append({"name": name, "error": str(exc)})
+        return out
+
+    def put(self, name: str, profile: SimProfile) -> bool:
+        """Keep `profile` as `name` (0600, written whole: a reader never sees half of one);
+        whether it replaced one."""
+        assert is_profile_name(name), name
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        existed = name in self.names()
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.folder)  # 0600
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write(yaml.safe_dump(profile.to_dict(), sort_keys=False))
+            os.replace(tmp, self.path(name))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return existed
+
+
+def profile_summary(name: str, profile: SimProfile) -> dict[str, Any]:
+    return {"name": name, "model": profile.model, "device": profile.device,
+            "dtype": profile.dtype, "max_position": profile.max_position,
+            "kv_tokens": profile.kv_tokens, "fit": dict(profile.fit)}
 
 
 # ---- the manager --------------------------------------------------------------------------------
@@ -225,6 +563,7 @@ class JobManager:
         self.launching: set[str] = set()  # jobs between `running` and their worker's start
         self.owner = f"{socket.gethostname()}:{os.getpid()}"  # this gateway, in the rows
         self.pool: Any = None  # the gateway's backends (an apply's replicas, drained there)
+        self.profiles = SimProfiles(folder / PROFILE_FOLDER)  # what `set.sim_profile` names
 
     async def start(self) -> None:
         await self._interrupt_orphans()
@@ -319,12 +658,13 @@ class JobManager:
                 raise ApiError(409, f"job {busy[0].id} is already tuning {spec.target}: cancel it "
                                "or wait for it (two jobs may not tune one engine at once)",
                                code="engine_busy", param="target")
+        profiles = await self.profile_paths(spec.options)
         trace = None
         if spec.captured_minutes is not None:
             trace = await self._capture(spec.captured_minutes)
         job_id = "job-" + secrets.token_hex(6)
         out = (self.folder / job_id).absolute()  # the worker and a restarted gateway find it
-        options = worker_options(spec.options, job_id, out, trace is not None)
+        options = worker_options(spec.options, job_id, out, trace is not None, profiles)
         try:
             await asyncio.to_thread(_make_folder, out, options, trace)
             job = await self.store.create(job_id, spec.fields, spec.target, job_id, str(out),
@@ -335,13 +675,31 @@ class JobManager:
         self._wake.set()
         return job
 
+    async def profile_paths(self, options: TuneOptions) -> dict[str, Path]:
+        """The file of each sim profile the options name, read and checked in a thread;
+        ApiError 400 when one is not held (the same words whatever was given) or is no
+        profile."""
+        paths = {}
+        for name, field in profile_names(options).items():
+            try:
+                paths.update(await asyncio.to_thread(self.profiles.resolve, [name]))
+            except NotHeld:
+                raise bad_request(NOT_HELD.format(field=field), field) from None
+            except ValueError as exc:
+                raise bad_request(f"{field}.sim_profile: {exc}", field) from None
+        return paths
+
     async def _capture(self, minutes: float) -> str:
         """The capture's last `minutes` (fairgate JSONL); ApiError 400 when there is none."""
         if self.capture_window is None:
             raise ApiError(400, "captured_minutes needs the gateway's trace capture: set "
                            "gateway.capture.path", code="no_capture", param="captured_minutes")
         now = time.time()
-        text: str = await self.capture_window(now - 60 * minutes, now, None)
+        try:
+            text: str = await self.capture_window(now - 60 * minutes, now, None)
+        except OSError as exc:
+            raise ApiError(503, f"cannot read the trace capture ({exc.strerror or exc}); try "
+                           "again shortly", code="capture_unavailable", retry_after=5.0) from None
         if sum(1 for line in text.splitlines() if line and not line.startswith("#")) == 0:
             raise ApiError(400, f"the capture holds no request from the last {minutes:g} "
                            "minutes", code="empty_capture", param="captured_minutes")
@@ -514,7 +872,10 @@ class JobManager:
             env[ADMIN_KEY_ENV] = self.admin_key  # the same variable `fairgate serve` reads
         try:
             if not await asyncio.to_thread((out / SPEC_FILE).exists):  # queued before spec files
-                await asyncio.to_thread(write_spec_file, record_options(job), out / SPEC_FILE)
+                paths = await asyncio.to_thread(self.profiles.resolve,
+                                                profile_names(row_options(job)))
+                await asyncio.to_thread(write_spec_file, record_options(job, paths),
+                                        out / SPEC_FILE)
             if job.target is not None:
                 await self._snapshot(job)
             logfile = await asyncio.to_thread(open, out / "worker.log", "ab")
@@ -526,9 +887,10 @@ class JobManager:
                     stdout=logfile, stderr=logfile, env=env)
             finally:
                 logfile.close()  # the child holds its own copy
-        except OSError as exc:
+        except (OSError, ValueError, NotHeld) as exc:  # ValueError: a row's spec or profile
+            what = f"no sim profile {exc} is held" if isinstance(exc, NotHeld) else exc
             await self.store.transition(job.id, ["running"], "failed", error=f"the worker did "
-                                        f"not start: {exc}", finished_at=time.time())
+                                        f"not start: {what}", finished_at=time.time())
             return
         self.running[job.id] = _Running(process)
         task = asyncio.create_task(self._wait(job, process), name=f"tune job {job.id}")

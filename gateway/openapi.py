@@ -19,7 +19,15 @@ from aiohttp import web
 
 from gateway.admin import CAPTURE_MEDIA_TYPE, MAX_CAPTURE_LIMIT
 from gateway.config import BACKEND_KINDS, SHADOW_NAME_PATTERN, SHADOW_URL_PATTERN
-from gateway.jobs import JOB_FILES, JOB_ID_PATTERN, job_spec_schema
+from gateway.jobs import (
+    JOB_FILES,
+    JOB_ID_PATTERN,
+    JOB_RULES,
+    MAX_PROFILE_BYTES,
+    PROFILE_NAME_PATTERN,
+    SIM_PROFILE_SCHEMA,
+    job_spec_schema,
+)
 from protocol import openapi as protocol_schemas
 from protocol.openapi import Schema, nullable
 from protocol.priority import PRIORITIES
@@ -80,10 +88,24 @@ def annotation_schema(annotation: Any) -> Schema:
 
 def tenant_create_schema() -> Schema:
     """The body of POST /admin/tenants: a TenantInfo without its database id; `limits` null
-    means no limits."""
+    means no limits; its default_priority one of its allowed_priorities."""
     schema = dataclass_schema(TenantInfo, exclude=("id",))
     schema["properties"]["limits"] = nullable(dataclass_schema(TenantLimits))
+    schema["allOf"] = default_priority_allowed()
     return schema
+
+
+def default_priority_allowed() -> list[Schema]:
+    """default_priority (given, or its default) is among allowed_priorities (when given)."""
+    default = TenantInfo.default_priority
+
+    def allowed(priority: str) -> Schema:
+        return {"properties": {"allowed_priorities": {"contains": {"const": priority}}}}
+
+    return [{"if": {"required": ["default_priority"],
+                    "properties": {"default_priority": {"const": p}}}, "then": allowed(p)}
+            for p in PRIORITIES] + [
+        {"if": {"not": {"required": ["default_priority"]}}, "then": allowed(default)}]
 
 
 def _object(**properties: Schema) -> Schema:
@@ -183,6 +205,17 @@ GATEWAY_SCHEMAS: dict[str, Schema] = {
     "Engines": _object(generated_at={"type": "number"}, engines={"type": "array"},
                        jobs_running=COUNT),
     "Deleted": _object(deleted=STRING),
+    "SimProfile": SIM_PROFILE_SCHEMA,
+    "SimProfileInfo": {"type": "object", "required": ["name"],
+                       "description": "A held profile: what was measured, its context and KV "
+                                      "cache and its fit; or, a file put there by hand that "
+                                      "does not load, why (`error`).",
+                       "properties": {"name": STRING, "model": STRING, "device": STRING,
+                                      "dtype": STRING, "max_position": COUNT,
+                                      "kv_tokens": COUNT, "fit": {"type": "object"},
+                                      "error": STRING}},
+    "SimProfileList": _object(profiles={"type": "array",
+                                        "items": {"$ref": "#/components/schemas/SimProfileInfo"}}),
     "Health": _object(status={"const": "ok"}),
     "Ready": {"type": "object", "required": ["ready"],
               "properties": {"ready": {"type": "boolean"}, "checks": {"type": "object"}}},
@@ -244,6 +277,8 @@ class Route:
     security: str | None = None  # a security scheme's name
     body: str | None = None  # the request body's schema name
     parameters: tuple[Schema, ...] = ()
+    description: str = ""  # the rules between fields that no schema can say
+    body_types: tuple[str, ...] = ("application/json",)
 
 
 _INFERENCE_ERRORS = (400, 401, 403, 404, 408, 413, 429, 502, 503, 504)
@@ -254,6 +289,9 @@ _TENANT = {"name": "name", "in": "path", "required": True, "schema": TENANT_NAME
 _SHADOW = {"name": "name", "in": "path", "required": True, "schema": SHADOW_NAME}
 _JOB = {"name": "id", "in": "path", "required": True,
         "schema": {"type": "string", "pattern": JOB_ID_PATTERN}}
+_PROFILE = {"name": "name", "in": "path", "required": True,
+            "schema": {"type": "string", "pattern": PROFILE_NAME_PATTERN}}
+MIN_TOKENS_RULE = "min_tokens must not exceed max_tokens (a 400 names min_tokens)."
 
 
 def _epoch_param(name: str, description: str) -> Schema:
@@ -264,10 +302,12 @@ def _epoch_param(name: str, description: str) -> Schema:
 ROUTES = (
     Route("post", "/v1/completions", "A completion (OpenAI's API).",
           {200: _answer("Completion", "CompletionEvent")}, _INFERENCE_ERRORS, "tenantKey",
-          "CompletionRequest"),
+          "CompletionRequest", description=MIN_TOKENS_RULE),
     Route("post", "/v1/chat/completions", "A chat completion (OpenAI's API).",
           {200: _answer("ChatCompletion", "ChatCompletionEvent")}, _INFERENCE_ERRORS,
-          "tenantKey", "ChatCompletionRequest"),
+          "tenantKey", "ChatCompletionRequest",
+          description="min_tokens must not exceed max_tokens (or max_completion_tokens, which "
+                      "wins over it; a 400 names min_tokens)."),
     Route("get", "/v1/models", "The models this gateway serves.",
           {200: _json("ModelList", "The models.")}, (401, 429, 503), "tenantKey"),
     Route("get", "/v1/usage", "The caller's own tenant's usage.",
@@ -276,7 +316,9 @@ ROUTES = (
     Route("get", "/admin/tenants", "Every tenant.", {200: _json("TenantList", "The tenants.")},
           (401, 404, 503), "adminKey"),
     Route("post", "/admin/tenants", "Create a tenant.", {201: _json("Tenant", "Created.")},
-          (400, 401, 404, 408, 409, 413, 503), "adminKey", "TenantCreate"),
+          (400, 401, 404, 408, 409, 413, 503), "adminKey", "TenantCreate",
+          description="default_priority must be one of allowed_priorities (the schema says so "
+                      "too); a name already taken is a 409."),
     Route("post", "/admin/tenants/{name}/keys", "A new API key for a tenant.",
           {201: _json("Key", "Created.")}, (400, 401, 404, 503), "adminKey",
           parameters=(_TENANT,)),
@@ -316,7 +358,8 @@ ROUTES = (
                                 "then one request a line, the first at arrival 0; empty when "
                                 "no request arrived in the span.",
                  "content": {CAPTURE_MEDIA_TYPE: {"schema": STRING}}}},
-          (400, 401, 404, 503), "adminKey",
+          (400, 401, 404, 503), "adminKey", description="until must be after since (a 400 "
+          "names until).",
           parameters=(_epoch_param("since", "From this time (epoch seconds; default 0)."),
                       _epoch_param("until", "Before this time (epoch seconds; default: now)."),
                       {"name": "limit", "in": "query", "required": False,
@@ -325,7 +368,7 @@ ROUTES = (
                                   "maximum": MAX_CAPTURE_LIMIT}})),
     Route("post", "/admin/tune-jobs", "Start a tuning job (queued behind the running ones).",
           {201: _json("TuneJob", "Queued.")}, (400, 401, 404, 408, 409, 413, 503), "adminKey",
-          "TuneJobSpec"),
+          "TuneJobSpec", description=JOB_RULES),
     Route("get", "/admin/tune-jobs", "Every tuning job.", {200: _json("TuneJobList", "Jobs.")},
           (401, 404, 503), "adminKey"),
     Route("get", "/admin/tune-jobs/{id}", "A job with its trials.",
@@ -349,6 +392,17 @@ ROUTES = (
           (401, 404, 503), "adminKey",
           parameters=(_JOB, {"name": "name", "in": "path", "required": True,
                              "schema": {"enum": list(JOB_FILES)}})),
+    Route("get", "/admin/sim-profiles", "The sim profiles a tune job may name "
+          "(set.sim_profile).", {200: _json("SimProfileList", "The profiles.")}, (401, 404),
+          "adminKey"),
+    Route("put", "/admin/sim-profiles/{name}", "Upload a `fairgate tune calibrate` profile "
+          "under a name: a tune job's set.sim_profile names it.",
+          {200: _json("SimProfileInfo", "Replaced."), 201: _json("SimProfileInfo", "Kept.")},
+          (400, 401, 404, 408, 413, 503), "adminKey", "SimProfile", (_PROFILE,),
+          description=f"The profile as `fairgate tune calibrate --out` writes it (YAML; JSON "
+                      f"too), at most {MAX_PROFILE_BYTES} bytes, checked as the simulator loads "
+                      "it and kept by the gateway (jobs.dir/sim-profiles, mode 0600).",
+          body_types=("application/yaml", "application/json")),
     Route("get", "/admin/slo/tenants", "Every tenant's latency against its SLO: attainment "
           "over 1 h, 24 h and 30 days (of requests: TTFT and TPOT, together and each; of gaps: "
           "ITL), the 30-day error budget left, burn rates over 1 h and 6 h (requests', and "
@@ -406,11 +460,13 @@ def _operation(route: Route) -> Schema:
         errors.add(429)
     responses.update({str(status): _error_response(status) for status in sorted(errors)})
     operation: Schema = {"summary": route.summary, "responses": responses}
+    if route.description:
+        operation["description"] = route.description
     if route.security is not None:
         operation["security"] = [{route.security: []}]
     if route.body is not None:
         operation["requestBody"] = {"required": True, "content": {
-            "application/json": {"schema": _ref(route.body)}}}
+            media: {"schema": _ref(route.body)} for media in route.body_types}}
     if route.parameters:
         operation["parameters"] = list(route.parameters)
     return operation

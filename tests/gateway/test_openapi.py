@@ -4,7 +4,9 @@ accepts exactly what `tenants.values` does."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import jsonschema_rs
@@ -16,7 +18,6 @@ from gateway.openapi import ROUTES, document, tenant_create_schema
 from protocol.errors import ApiError
 from protocol.openai import REQUEST_FIELDS, SAMPLING_FIELDS, Field, parse_request
 from protocol.openapi import field_schema, request_schema
-from protocol.priority import PRIORITIES
 from tenants import TenantError
 from tenants.values import tenant_from_mapping
 from tests.gateway.helpers import start_gateway
@@ -172,9 +173,109 @@ def test_generated_tenants_are_valid_exactly_when_accepted(mode: GenerationMode)
         body = case.body
         if not isinstance(body, dict) or _integral_floats(body.get("limits")):
             return
-        if validator.is_valid(body) and body.get("default_priority", "interactive") not in (
-                body.get("allowed_priorities", PRIORITIES)):
-            return  # the one rule between fields the document does not spell
         assert _tenant_accepted(body) == validator.is_valid(body), body
 
     check()
+
+
+@pytest.mark.parametrize(("body", "valid"), [
+    ({"name": "a", "default_priority": "batch", "allowed_priorities": ["interactive"]}, False),
+    ({"name": "a", "allowed_priorities": ["batch"]}, False),  # the default: interactive
+    ({"name": "a", "default_priority": "batch", "allowed_priorities": ["batch"]}, True),
+    ({"name": "a", "default_priority": "batch"}, True),  # allowed: every priority
+])
+def test_the_default_priority_rule_is_the_documents(body: dict[str, Any], valid: bool) -> None:
+    """The rule between two fields: the schema says it, and says what tenants.values does."""
+    assert jsonschema_rs.validator_for(tenant_create_schema()).is_valid(body) is valid
+    assert _tenant_accepted(body) is valid
+
+
+# ---- the rules no schema can say are in the operations' descriptions ---------------------------
+@pytest.mark.parametrize(("method", "path", "rule"), [
+    ("post", "/v1/completions", "min_tokens must not exceed max_tokens"),
+    ("post", "/v1/chat/completions", "min_tokens must not exceed max_tokens"),
+    ("get", "/admin/capture", "until must be after since"),
+    ("post", "/admin/tune-jobs", "rate x duration"),
+    ("post", "/admin/tune-jobs", "set.sim_profile"),
+])
+def test_a_rule_between_fields_is_in_the_operations_description(method: str, path: str,
+                                                                rule: str) -> None:
+    assert rule in document()["paths"][path][method]["description"]
+
+
+async def test_the_rules_the_document_leaves_to_its_description_are_the_servers(
+        aiohttp_client: Any, db_url: str, tmp_path: Path) -> None:
+    """Each body or query the document's schemas allow, answered 400 naming the field its
+    operation's description names."""
+    h = await start_gateway(aiohttp_client, db_url,
+                            gateway={"capture": {"path": str(tmp_path / "capture.jsonl")}})
+    tenant = {"Authorization": f"Bearer {h.keys['acme']}"}
+    admin = {"Authorization": "Bearer admin-key-0123456789"}
+    for path, body in [("/v1/completions", {"model": "random:tiny", "prompt": "hi",
+                                            "max_tokens": 2, "min_tokens": 3}),
+                       ("/v1/chat/completions", {"model": "random:tiny", "max_tokens": 2,
+                                                 "min_tokens": 3, "messages": [
+                                                     {"role": "user", "content": "hi"}]})]:
+        endpoint = "chat" if "chat" in path else "completions"
+        assert jsonschema_rs.validator_for(request_schema(endpoint)).is_valid(body)
+        resp = await h.client.post(path, json=body, headers=tenant)
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "min_tokens"
+    resp = await h.client.get("/admin/capture?since=100&until=100", headers=admin)
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "until"
+
+
+def test_a_job_spec_with_a_workload_and_captured_minutes_is_invalid_in_the_document() -> None:
+    """The schema says what the server says: one of workload or captured_minutes (mode
+    shadow: neither), and a sim profile by name."""
+    from gateway.jobs import parse_spec
+
+    spec = {"workload": "uniform", "slo_ttft_p99_s": 1.0, "rate": 5, "duration": 10}
+    validator = jsonschema_rs.validator_for(document()["components"]["schemas"]["TuneJobSpec"])
+    for body, valid in [(spec, True), ({**spec, "captured_minutes": 5}, False),
+                        ({**spec, "workload": None, "captured_minutes": 5}, True),
+                        ({**spec, "workload": None}, False),
+                        ({"mode": "shadow", "shadow": "x", "slo_ttft_p99_s": 1.0,
+                          "captured_minutes": 5}, False),
+                        ({**spec, "set": {"sim_profile": "l4-llama8b"}}, True),
+                        ({**spec, "set": {"sim_profile": "/dev/zero"}}, False),
+                        ({**spec, "set": {"sim_profile": ".hidden"}}, False),
+                        ({**spec, "set": {"model": "/models/llama"}}, False),
+                        ({**spec, "set": {"sim_model": "nope"}}, False)]:
+        assert validator.is_valid(body) is valid, body
+        if not valid:  # and the server refuses it too
+            with pytest.raises(ApiError):
+                parse_spec(body, {"x": "http://127.0.0.1:9"}, {})
+
+
+# ---- the sim profile an upload holds and the document agree -------------------------------------
+def _profile_accepted(body: Any) -> bool:
+    from gateway.jobs import profile_from_upload
+
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    try:
+        profile_from_upload(raw, as_json=not isinstance(body, bytes))
+    except ApiError as exc:
+        assert exc.status == 400, exc.message
+        return False
+    return True
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_generated_sim_profiles_are_valid_exactly_when_accepted(mode: GenerationMode) -> None:
+    from gateway.jobs import SIM_PROFILE_SCHEMA
+
+    validator = jsonschema_rs.validator_for(SIM_PROFILE_SCHEMA)
+    operation = schemathesis.openapi.from_dict(document())["/admin/sim-profiles/{name}"]["PUT"]
+    verdicts = set()
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(operation.as_strategy(generation_mode=mode))
+    def check(case: Any) -> None:
+        body = case.body
+        valid = not isinstance(body, bytes) and validator.is_valid(body)  # bytes: no mapping
+        assert _profile_accepted(body) == valid, body
+        verdicts.add(valid)
+
+    check()
+    assert mode == GenerationMode.NEGATIVE or verdicts == {True}
