@@ -2,11 +2,18 @@
 
 Runtime facts (the number of KV blocks actually allocated, the EOS ids, the resolved device)
 are computed once by the executor and passed on; they are never written back here.
+
+EngineAccess: who may call a `fairgate engine` server (its keys). They share the `engine`
+section of fairgate.yaml but are no knobs: never in EngineConfig, so never in /admin/config,
+best.yaml, a tune report or a launch command line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,7 +174,10 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> EngineConfig:
-        """Build from a YAML/JSON mapping; unknown keys are an error naming the key."""
+        """Build from a YAML/JSON mapping; unknown keys are an error naming the key. The
+        server's keys in the same section (ACCESS_KEYS) are EngineAccess's, left out here."""
+        if isinstance(values, Mapping):
+            values = {k: v for k, v in values.items() if k not in ACCESS_KEYS}
         return from_mapping(cls, values, "engine")
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,3 +201,103 @@ _CHOICES = {"policy": POLICIES, "preemption": PREEMPTION_MODES, "executor": EXEC
             "attention_backend": ATTENTION_BACKENDS, "kv_cache_dtype": KV_CACHE_DTYPES,
             "dtype": DTYPES, "sim_clock": SIM_CLOCKS, "sim_hardware": SIM_HARDWARE}
 
+
+
+# ---- who may call the engine's server -------------------------------------------------------
+# The keys from the environment (a Kubernetes Secret, compose's .env): `fairgate engine` takes
+# them over the file; the gateway sends them to backends without keys of their own, and
+# `fairgate tune` to the engine it replays on.
+ENGINE_KEY_ENV = "FAIRGATE_ENGINE_KEY"
+ENGINE_ADMIN_KEY_ENV = "FAIRGATE_ENGINE_ADMIN_KEY"
+MIN_KEY_CHARS = 16
+_HEADER_SAFE = re.compile(r"[!-~]+")  # visible ASCII: it is sent in an HTTP header
+
+
+def check_header_key(name: str, value: object) -> str:
+    """A key sent as `Authorization: Bearer <key>` to some server: visible ASCII."""
+    if not isinstance(value, str) or not _HEADER_SAFE.fullmatch(value):
+        raise ValueError(f"{name} must be visible ASCII characters, no spaces (it is sent in "
+                         "an HTTP header)")
+    return value
+
+
+def check_bearer_key(name: str, value: object) -> str:
+    """A key a fairgate engine accepts: at least 16 visible ASCII characters."""
+    check_header_key(name, value)
+    assert isinstance(value, str)
+    if len(value) < MIN_KEY_CHARS:
+        raise ValueError(f"{name} must be at least {MIN_KEY_CHARS} characters")
+    return value
+
+
+def environment_keys(environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """($FAIRGATE_ENGINE_KEY, $FAIRGATE_ENGINE_ADMIN_KEY), each None when unset or empty."""
+    def key(name: str) -> str | None:
+        value = environ.get(name)
+        return check_bearer_key(name, value) if value else None
+
+    return key(ENGINE_KEY_ENV), key(ENGINE_ADMIN_KEY_ENV)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` serves this machine only: localhost, 127.0.0.0/8, ::1."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a host name other than localhost, or "" (every address)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+@dataclass(frozen=True)
+class EngineAccess:
+    """The keys of a `fairgate engine` server. `api_key`: `/v1/*`, `/load` and `/stats`;
+    `admin_key`: `/admin/*` (None: the api_key). None for both: every route is open, which
+    only a loopback address allows unless `allow_unauthenticated` says so."""
+
+    api_key: str | None = None
+    admin_key: str | None = None
+    allow_unauthenticated: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("api_key", "admin_key"):
+            if getattr(self, name) is not None:
+                check_bearer_key(f"engine.{name}", getattr(self, name))
+        check_bool("engine.allow_unauthenticated", self.allow_unauthenticated)
+
+    @property
+    def effective_admin_key(self) -> str | None:
+        """The key /admin/* asks for."""
+        return self.admin_key if self.admin_key is not None else self.api_key
+
+    def with_environment(self, environ: Mapping[str, str]) -> EngineAccess:
+        """$FAIRGATE_ENGINE_KEY and $FAIRGATE_ENGINE_ADMIN_KEY, when set and not empty, over
+        the file's keys (the keys can then live in a Secret and the file in a ConfigMap)."""
+        api_key, admin_key = environment_keys(environ)
+        return dataclasses.replace(self, api_key=api_key or self.api_key,
+                                   admin_key=admin_key or self.admin_key)
+
+    def check_host(self, host: str) -> None:
+        """ValueError (one line) when serving on `host` would let anyone who reaches it
+        generate and reconfigure: a non-loopback address without an api_key, unless
+        allow_unauthenticated."""
+        if self.api_key is None and not self.allow_unauthenticated and not is_loopback(host):
+            raise ValueError(
+                f"--host {host or '(every address)'} is reachable from other machines and no "
+                f"api key is set: set engine.api_key (or ${ENGINE_KEY_ENV}, or --api-key), "
+                "or pass --allow-unauthenticated (engine.allow_unauthenticated: true) to serve "
+                "it open on purpose")
+
+    @classmethod
+    def from_section(cls, values: Mapping[str, Any] | None) -> EngineAccess:
+        """The access keys of an `engine` section (its knobs are EngineConfig's)."""
+        if not isinstance(values, Mapping):
+            return cls()
+        return cls(**{k: v for k, v in values.items() if k in ACCESS_KEYS})
+
+
+ACCESS_KEYS = tuple(f.name for f in dataclasses.fields(EngineAccess))

@@ -2,6 +2,8 @@
 reconfiguration, Prometheus metrics.
 
 Errors always use OpenAI's shape; unexpected ones are logged and answered 500 in that shape.
+With keys (EngineAccess), `/v1/*`, `/load` and `/stats` want `Authorization: Bearer <api_key>`
+and `/admin/*` the admin key; health, readiness and `/metrics` stay open, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hmac
 import logging
 import math
 import uuid
@@ -16,9 +19,11 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, RequestOutput
+from engine.config import EngineAccess
 from engine.metrics import EngineMetrics, register_process_metrics
 from engine.openai_api import generation_request
 from protocol.errors import ApiError
@@ -59,9 +64,12 @@ def install_fast_event_loop() -> None:
 
 
 def make_app(engine: AsyncEngine, *, metrics_compat: str | None = None,
-             client_max_size: int = DEFAULT_CLIENT_MAX_SIZE) -> web.Application:
-    """An app serving `engine`; its startup starts the engine and its cleanup shuts it down."""
-    app = web.Application(middlewares=[error_middleware(logger)],
+             client_max_size: int = DEFAULT_CLIENT_MAX_SIZE,
+             access: EngineAccess | None = None) -> web.Application:
+    """An app serving `engine`; its startup starts the engine and its cleanup shuts it down.
+    `access`: the keys its routes want (None: every route open)."""
+    app = web.Application(middlewares=[error_middleware(logger),
+                                       key_middleware(access or EngineAccess())],
                           client_max_size=client_max_size)
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = EngineMetrics(engine, metrics_compat)
@@ -81,6 +89,46 @@ def make_app(engine: AsyncEngine, *, metrics_compat: str | None = None,
     app.router.add_get("/admin/config", current_config)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+# ---- keys -------------------------------------------------------------------------------------
+API_KEY_PATHS = ("/v1/", "/load", "/stats")  # what a gateway and a load generator call
+ADMIN_PATHS = ("/admin/",)
+
+
+def key_middleware(access: EngineAccess) -> Middleware:
+    """401 for a request to a keyed route without its key, in the gateway's words (OpenAI's
+    shape and codes); the key is compared in constant time."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        if path.startswith(ADMIN_PATHS):
+            if access.effective_admin_key is not None and not _matches(
+                    request, access.effective_admin_key):
+                raise ApiError(401, "an admin key is required for /admin/*",
+                               code="invalid_admin_key")
+        elif path.startswith(API_KEY_PATHS) and access.api_key is not None:
+            if _bearer(request) is None:
+                raise ApiError(401, "You didn't provide an API key. You need to provide your "
+                               "API key in an Authorization header using Bearer auth (i.e. "
+                               "Authorization: Bearer YOUR_KEY).", code="missing_api_key")
+            if not _matches(request, access.api_key):
+                raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return await handler(request)
+
+    return middleware
+
+
+def _bearer(request: web.Request) -> str | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _matches(request: web.Request, key: str) -> bool:
+    return hmac.compare_digest((_bearer(request) or "").encode(), key.encode())
 
 
 async def _engine_context(app: web.Application) -> AsyncIterator[None]:

@@ -2,17 +2,31 @@
 
     fairgate engine [-c fairgate.yaml] [--port 8100] [--host 127.0.0.1]
                     [--set KNOB=VALUE ...] [--metrics-compat vllm]
+                    [--api-key KEY] [--allow-unauthenticated]
+
+Keys (EngineAccess): --api-key, else $FAIRGATE_ENGINE_KEY, else the section's `api_key`; the
+admin key $FAIRGATE_ENGINE_ADMIN_KEY, else `admin_key`, else the api key. A --host other
+than loopback without an api key is refused unless --allow-unauthenticated.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import yaml
 
-from engine.config import EngineConfig
+from engine.config import (
+    ENGINE_KEY_ENV,
+    EngineAccess,
+    EngineConfig,
+    check_bearer_key,
+    is_loopback,
+)
 from engine.metrics import COMPAT_CHOICES
 from fairgate.config import load_config_file, section
 from protocol.serving import serve, setup_logging
@@ -33,6 +47,11 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="also export vLLM's metric names")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--api-key", metavar="KEY", default=None,
+                        help="the bearer key /v1/*, /load and /stats (and /admin/* without an "
+                        f"admin key) want (default ${ENGINE_KEY_ENV}, else engine.api_key)")
+    parser.add_argument("--allow-unauthenticated", action="store_true", default=None,
+                        help="serve a non-loopback --host without an api key")
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -49,14 +68,33 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return overrides
 
 
-def build_config(config_file: str | None, overrides: list[str]) -> EngineConfig:
-    """The engine section of the file with `--set` overrides on top; ValueError when wrong."""
+def engine_section(config_file: str | None, overrides: list[str]) -> dict[str, Any]:
+    """The engine section of the file with `--set` overrides on top."""
     values = dict(section(load_config_file(config_file), "engine"))
     values.update(parse_overrides(overrides))
+    return values
+
+
+def build_config(config_file: str | None, overrides: list[str]) -> EngineConfig:
+    """The engine section of the file with `--set` overrides on top; ValueError when wrong."""
+    values = engine_section(config_file, overrides)
     try:
         return EngineConfig.from_dict(values)
     except TypeError as exc:  # a wrongly typed value compared during validation
         raise ValueError(f"invalid engine setting: {exc}") from None
+
+
+def build_access(args: argparse.Namespace, environ: Mapping[str, str]) -> EngineAccess:
+    """The file's keys (and --set's), the environment's over them, the flags over both;
+    ValueError when a key is malformed or `args.host` may not be served without one."""
+    access = EngineAccess.from_section(engine_section(args.config, args.overrides))
+    access = access.with_environment(environ)
+    if args.api_key is not None:
+        access = replace(access, api_key=check_bearer_key("--api-key", args.api_key))
+    if args.allow_unauthenticated:
+        access = replace(access, allow_unauthenticated=True)
+    access.check_host(args.host)
+    return access
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,12 +105,23 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     config = build_config(args.config, args.overrides)
+    access = build_access(args, os.environ)  # refused before the model loads
     engine = AsyncEngine(config)  # loads the model before the port opens
-    app = make_app(engine, metrics_compat=args.metrics_compat)
+    app = make_app(engine, metrics_compat=args.metrics_compat, access=access)
     app.on_startup.append(freeze_startup_heap)  # after the engine context started
     install_fast_event_loop()
+    log = logging.getLogger("fairgate.engine")
+    if access.api_key is None and not is_loopback(args.host):  # allow_unauthenticated
+        log.warning("no api key: /v1/*, /load and /stats are open to whoever reaches %s",
+                    args.host)
     # handler_cancellation: a client that hangs up on a non-streamed request aborts it too
     serve(app, args.host, args.port, handler_cancellation=True,  # OSError: the port is taken
-          on_listening=lambda _: logging.getLogger("fairgate.engine").info(
-              "serving %s on http://%s:%d", config.model, args.host, args.port))
+          on_listening=lambda _: log.info("serving %s on http://%s:%d (%s)", config.model,
+                                          args.host, args.port, _keys_text(access)))
     return 0
+
+
+def _keys_text(access: EngineAccess) -> str:
+    if access.api_key is None:
+        return "open" if access.effective_admin_key is None else "admin key on /admin/*"
+    return "api key" + (", admin key on /admin/*" if access.admin_key is not None else "")

@@ -4,7 +4,8 @@
                   --mode sim | replay --url URL | launch --command '...{port}...{knob}...'
                   | shadow --gateway URL --admin-key K --shadow NAME [--shadow-requests N]
                     [--shadow-window S] [--recheck N]
-                  [--api-key KEY] [--launch-timeout S] [-c fairgate.yaml] [--set KNOB=VALUE]
+                  [--api-key KEY] [--engine-admin-key KEY] [--launch-timeout S]
+                  [-c fairgate.yaml] [--set KNOB=VALUE]
                   [--sim-profile FILE]
                   (--workload NAME | --trace FILE | --workload-file F) [--rate R] [--duration S]
                   [--start S] [--window S]
@@ -60,7 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV, EngineConfig
 from fairgate.config import database_url, load_config_file, section
 from fairgate.engine_cli import parse_overrides
 from fairgate.tenants_common import DEFAULT_CONFIG
@@ -104,8 +105,13 @@ def register(parser: argparse.ArgumentParser) -> None:
                         "slo_ttft_p99_s: 0.5, ...); flags given beside it win")
     for option in OPTIONS:
         parser.add_argument(*option.flags, **argparse_kwargs(option))
-    parser.add_argument("--api-key", metavar="KEY", help="replay/launch: bearer key for the "
-                        "server")
+    parser.add_argument("--api-key", metavar="KEY", default=os.environ.get(ENGINE_KEY_ENV),
+                        help="replay/launch/shadow: the engine's bearer key for /v1/*, /load "
+                        f"and /stats (default: ${ENGINE_KEY_ENV})")
+    parser.add_argument("--engine-admin-key", metavar="KEY",
+                        default=os.environ.get(ENGINE_ADMIN_KEY_ENV),
+                        help="replay/shadow: the engine's key for /admin/config and "
+                        f"/admin/reconfigure (default: ${ENGINE_ADMIN_KEY_ENV}, else --api-key)")
     parser.add_argument("--admin-key", metavar="KEY", default=os.environ.get(ADMIN_KEY_ENV),
                         help=f"shadow: the gateway's admin key (default: ${ADMIN_KEY_ENV})")
 
@@ -114,8 +120,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 class Keys:
     """The credentials a study uses: from argv or the environment, never from a spec."""
 
-    api_key: str | None = None  # replay/launch: the server's bearer key
+    api_key: str | None = None  # replay/launch/shadow: the engine's bearer key
     admin_key: str | None = None  # shadow: the gateway's admin key
+    engine_admin_key: str | None = None  # replay/shadow: the engine's /admin/*; None: api_key
 
 
 def config_file(path: str | None) -> str | None:
@@ -273,6 +280,7 @@ def runner_options(options: TuneOptions, keys: Keys) -> RunnerOptions:
     return RunnerOptions(url=options.target[0] if options.target else None,
                          command=options.command, engine=engine_named(options.engine).name,
                          apply=options.apply, api_key=keys.api_key,
+                         engine_admin_key=keys.engine_admin_key,
                          launch_timeout_s=options.launch_timeout_s, gateway=options.gateway,
                          admin_key=keys.admin_key, shadow=options.shadow,
                          shadow_requests=options.shadow_requests,
@@ -336,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
     from tuner.study_report import margin_text
 
     options, surface = options_from_args(args)
-    spec = build_spec(options, surface, Keys(args.api_key, args.admin_key))
+    spec = build_spec(options, surface, Keys(args.api_key or None, args.admin_key,
+                                             args.engine_admin_key or None))
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own line per trial instead
     try:
         with ProgressBar(spec.trials, sys.stderr) as bar, _sigterm_as_interrupt():

@@ -78,6 +78,7 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
                            settings.admin_key,
                            None if gw.capture is None else gw.capture.window)
     app[JOBS].pool = pool
+    app[JOBS].shadows = gw.shadows  # a shadow job's engine keys
     app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker, _shadows, _jobs])
     if shared_state is not None:  # Redis for the rate windows: stopped first, settles drained
         app.cleanup_ctx.append(shared_state)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from engine.config import check_header_key, environment_keys
 from gateway.auth import DEFAULT_OUTAGE_GRACE_S
 from gateway.fairqueue import DISPATCH_POLICIES
 from gateway.shared import split_redis_url
@@ -46,7 +47,8 @@ class BackendConfig:
 
     url: str
     kind: str = "fairgate"
-    api_key: str | None = None
+    api_key: str | None = None  # sent on every request (/v1/*, /load)
+    admin_key: str | None = None  # a fairgate engine's /admin/* (tune jobs, canary); None: api_key
     model: str | None = None  # the model name to send; None: the server's first /v1/models id
     max_inflight: int = 64  # the dispatch bound when the server has no /load
     # None: from /load, else the engine section's value, else 2048
@@ -72,6 +74,7 @@ class BackendConfig:
             raise ValueError(f"gateway.backends[].url needs a host and a numeric port (if any), "
                              f"got {self.url!r}")
         check_choice("gateway.backends[].kind", self.kind, BACKEND_KINDS)
+        check_keys("gateway.backends[]", self)
         check_positive_int("gateway.backends[].max_inflight", self.max_inflight)
         if self.max_model_len is not None:
             check_positive_int("gateway.backends[].max_model_len", self.max_model_len)
@@ -83,6 +86,11 @@ class BackendConfig:
     @property
     def base_url(self) -> str:
         return server_root(self.url)
+
+    @property
+    def effective_admin_key(self) -> str | None:
+        """The key its /admin/* gets: admin_key, else api_key."""
+        return self.admin_key if self.admin_key is not None else self.api_key
 
 
 _PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
@@ -104,7 +112,8 @@ class ShadowConfig:
     tenants: tuple[str, ...] = ("all",)  # whose requests; ("all",): everyone's
     max_inflight: int = 16  # copies in flight at once (its own connection pool)
     max_queue: int = 256  # copies waiting for a slot; a copy finding it full is dropped
-    api_key: str | None = None
+    api_key: str | None = None  # sent with every copy
+    admin_key: str | None = None  # its /admin/* (shadow-mode tuning); None: api_key
     timeout_s: float = 120.0  # one copy, end to end, and the longest silence in its stream
 
     def __post_init__(self) -> None:
@@ -122,10 +131,7 @@ class ShadowConfig:
                   high=1_000_000)
         check_number(f"gateway.shadow[{self.name}].timeout_s", self.timeout_s, low=0,
                      high=86400, open_low=True)
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not re.fullmatch(
-                r"[!-~]+", self.api_key)):
-            raise ValueError(f"gateway.shadow[{self.name}].api_key must be visible ASCII "
-                             "characters (it is sent in an HTTP header)")
+        check_keys(f"gateway.shadow[{self.name}]", self)
         if not self.tenants or not all(isinstance(t, str) and t for t in self.tenants):
             raise ValueError(f"gateway.shadow[{self.name}].tenants must be 'all' or a list of "
                              "tenant names")
@@ -133,6 +139,11 @@ class ShadowConfig:
     @property
     def base_url(self) -> str:
         return server_root(self.url)
+
+    @property
+    def effective_admin_key(self) -> str | None:
+        """The key its /admin/* gets: admin_key, else api_key."""
+        return self.admin_key if self.admin_key is not None else self.api_key
 
     @classmethod
     def from_dict(cls, value: Any) -> ShadowConfig:
@@ -296,11 +307,18 @@ class GatewayConfig:
 
     def with_environment(self, environ: Mapping[str, str]) -> GatewayConfig:
         """This config with $FAIRGATE_ADMIN_KEY, when set and not empty, as the admin key,
-        whatever the file says: the key can then live in a Secret and the file in a ConfigMap."""
+        whatever the file says: the key can then live in a Secret and the file in a ConfigMap.
+        Likewise $FAIRGATE_ENGINE_KEY and $FAIRGATE_ENGINE_ADMIN_KEY are the keys of every
+        fairgate backend and shadow target that sets none of its own (never sent to an
+        `openai` server: that is someone else's)."""
         key = environ.get(ADMIN_KEY_ENV)
-        if not key:
-            return self
-        return replace(self, admin_key=check_admin_key(ADMIN_KEY_ENV, key))
+        config = self if not key else replace(self, admin_key=check_admin_key(ADMIN_KEY_ENV, key))
+        api_key, admin_key = environment_keys(environ)
+        if api_key is None and admin_key is None:
+            return config
+        return replace(config,
+                       backends=tuple(engine_keys(b, api_key, admin_key) for b in config.backends),
+                       shadow=tuple(engine_keys(s, api_key, admin_key) for s in config.shadow))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> GatewayConfig:
@@ -334,6 +352,24 @@ def check_admin_key(name: str, value: object) -> str:
     if not isinstance(value, str) or len(value) < 16:
         raise ValueError(f"{name} must be a string of at least 16 characters")
     return value
+
+
+def check_keys(name: str, config: BackendConfig | ShadowConfig) -> None:
+    """A backend's or shadow target's api_key and admin_key, when given."""
+    for field in ("api_key", "admin_key"):
+        if getattr(config, field) is not None:
+            check_header_key(f"{name}.{field}", getattr(config, field))
+
+
+Keyed = TypeVar("Keyed", BackendConfig, ShadowConfig)
+
+
+def engine_keys(config: Keyed, api_key: str | None, admin_key: str | None) -> Keyed:
+    """`config` with these keys when it is a fairgate engine that has no key of its own (one
+    that has is another engine than the environment's)."""
+    if config.kind != "fairgate" or config.api_key is not None or config.admin_key is not None:
+        return config
+    return replace(config, api_key=api_key, admin_key=admin_key)
 
 
 def _backend(value: Any) -> BackendConfig:

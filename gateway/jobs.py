@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from engine.config import EngineConfig
+from engine.config import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV, EngineConfig
 from engine.presets import MODEL_PRESETS, model_preset
 from engine.sim_profile import FEATURES, PROFILE_VERSION, SimProfile
-from gateway.config import ADMIN_KEY_ENV
+from gateway.config import ADMIN_KEY_ENV, BackendConfig, ShadowConfig
 from protocol.errors import ApiError, bad_request
 from protocol.openai import server_root
 from protocol.serving import wait_event
@@ -563,6 +563,7 @@ class JobManager:
         self.launching: set[str] = set()  # jobs between `running` and their worker's start
         self.owner = f"{socket.gethostname()}:{os.getpid()}"  # this gateway, in the rows
         self.pool: Any = None  # the gateway's backends (an apply's replicas, drained there)
+        self.shadows: Any = None  # the gateway's shadow targets (a shadow job's engine)
         self.profiles = SimProfiles(folder / PROFILE_FOLDER)  # what `set.sim_profile` names
 
     async def start(self) -> None:
@@ -608,7 +609,8 @@ class JobManager:
             for backend in reversed(record.get("switched") or []):
                 try:
                     await reconfigure(backend, previous.get(backend) or {},
-                                      drain_timeout=DRAIN_TIMEOUT_S)
+                                      drain_timeout=DRAIN_TIMEOUT_S,
+                                      admin_key=self.engine_keys(backend).admin_key)
                     steps.append({"at": time.time(), "step": f"after a gateway restart: put "
                                   f"{backend} back on its knobs"})
                 except (OSError, ValueError) as exc:
@@ -782,7 +784,7 @@ class JobManager:
                               "backend")
         previous = {}
         for name in fairgate:
-            knobs = await engine_knobs(name, sorted(config))
+            knobs = await engine_knobs(name, sorted(config), self.engine_keys(name).admin_key)
             if knobs is None:
                 raise ApiError(503, f"{name} did not say its knobs (GET /admin/config): it is "
                                "needed to roll back", code="backend_unavailable",
@@ -807,7 +809,8 @@ class JobManager:
             await self.store.update(job_id, apply=value)
 
         async def switch(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
-            return await reconfigure(name, knobs, drain_timeout=DRAIN_TIMEOUT_S)
+            return await reconfigure(name, knobs, drain_timeout=DRAIN_TIMEOUT_S,
+                                     admin_key=self.engine_keys(name).admin_key)
 
         run = Apply(plan, gateway.served, drain, undrain, switch, record)
         await record(run.record)
@@ -857,6 +860,12 @@ class JobManager:
             finally:
                 self.launching.discard(job.id)
 
+    def engine_keys(self, url: str) -> EngineKeys:
+        """The keys of the engine at `url`: its backend's or shadow target's here."""
+        backends = [getattr(b, "config", None) for b in getattr(self.pool, "backends", [])]
+        shadows = [m.config for m in getattr(self.shadows, "mirrors", {}).values()]
+        return keys_for(url, [*backends, *shadows], os.environ)
+
     def _applying_to(self) -> set[str]:
         """The replicas an apply in progress may reconfigure (no job tunes them meanwhile)."""
         if self.applying is None or self.applying.done() or self.pool is None:
@@ -870,6 +879,8 @@ class JobManager:
                    FAIRGATE_TUNE_STORAGE=self.storage)
         if self.admin_key is not None:
             env[ADMIN_KEY_ENV] = self.admin_key  # the same variable `fairgate serve` reads
+        if job.target is not None:  # its engine's keys, as `fairgate tune` reads them
+            env.update(self.engine_keys(job.target).environment())
         try:
             if not await asyncio.to_thread((out / SPEC_FILE).exists):  # queued before spec files
                 paths = await asyncio.to_thread(self.profiles.resolve,
@@ -950,7 +961,8 @@ class JobManager:
         path = Path(job.out_dir) / "engine-before.json"
         if await asyncio.to_thread(path.exists):
             return  # a resumed job: the first run's snapshot is the one to go back to
-        knobs = await engine_knobs(job.target or "", job_knobs(job.spec))
+        knobs = await engine_knobs(job.target or "", job_knobs(job.spec),
+                                   self.engine_keys(job.target or "").admin_key)
         if knobs is None:
             log.warning("tune job %s: %s did not say its knobs (GET /admin/config): a cancel "
                         "cannot put them back", job.id, job.target)
@@ -966,7 +978,8 @@ class JobManager:
         except (OSError, ValueError):
             return
         try:
-            await reconfigure(job.target, knobs)
+            await reconfigure(job.target, knobs,
+                              admin_key=self.engine_keys(job.target).admin_key)
         except (OSError, ValueError) as exc:
             log.error("tune job %s cancelled: could not put %s back on its knobs (%s); do it "
                       "with POST %s/admin/reconfigure %s", job.id, job.target, exc, job.target,
@@ -1102,12 +1115,38 @@ def job_knobs(spec: dict[str, Any]) -> list[str]:
     return sorted(set(space_knobs(spec)) | set(spec.get("set") or {}))
 
 
-async def engine_knobs(url: str, names: list[str]) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class EngineKeys:
+    """What a fairgate engine is sent: api_key on /v1/* and /load, admin_key on /admin/*."""
+
+    api_key: str | None = None
+    admin_key: str | None = None
+
+    def environment(self) -> dict[str, str]:
+        """As `fairgate tune` reads them ($FAIRGATE_ENGINE_KEY, $FAIRGATE_ENGINE_ADMIN_KEY)."""
+        pairs = ((ENGINE_KEY_ENV, self.api_key), (ENGINE_ADMIN_KEY_ENV, self.admin_key))
+        return {name: key for name, key in pairs if key is not None}
+
+
+def keys_for(url: str, engines: Iterable[object], environ: Mapping[str, str]) -> EngineKeys:
+    """The keys of the engine at `url`: those of the backend or shadow target there (a
+    BackendConfig or ShadowConfig among `engines`), else the environment's, which a job's
+    worker inherits."""
+    root = server_root(url)
+    for config in engines:
+        if isinstance(config, BackendConfig | ShadowConfig) and config.base_url == root:
+            return EngineKeys(config.api_key, config.effective_admin_key)
+    api_key = environ.get(ENGINE_KEY_ENV) or None
+    return EngineKeys(api_key, environ.get(ENGINE_ADMIN_KEY_ENV) or api_key)
+
+
+async def engine_knobs(url: str, names: list[str], admin_key: str | None = None
+                       ) -> dict[str, Any] | None:
     """The engine's `names` knobs now (GET /admin/config), None when it does not say."""
     from tuner.remote import request_json
 
     try:
-        status, body = await asyncio.to_thread(request_json, f"{url}/admin/config", None,
+        status, body = await asyncio.to_thread(request_json, f"{url}/admin/config", admin_key,
                                                timeout=10.0)
     except OSError:
         return None
@@ -1117,16 +1156,17 @@ async def engine_knobs(url: str, names: list[str]) -> dict[str, Any] | None:
     return {k: config[k] for k in names if k in config}
 
 
-async def reconfigure(url: str, knobs: dict[str, Any], drain_timeout: float | None = None
-                      ) -> dict[str, Any]:
+async def reconfigure(url: str, knobs: dict[str, Any], drain_timeout: float | None = None,
+                      admin_key: str | None = None) -> dict[str, Any]:
     """POST /admin/reconfigure; the engine's config after. ValueError when it refused."""
     from tuner.remote import error_text, request_json
 
     body: dict[str, Any] = {"changes": knobs}
     if drain_timeout is not None:
         body["drain_timeout"] = drain_timeout
-    status, answer = await asyncio.to_thread(request_json, f"{url}/admin/reconfigure", None,
-                                             method="POST", body=body, timeout=600.0)
+    status, answer = await asyncio.to_thread(request_json, f"{url}/admin/reconfigure",
+                                             admin_key, method="POST", body=body,
+                                             timeout=600.0)
     if status != 200:
         raise ValueError(f"{url} refused the reconfigure ({status}): "
                          f"{error_text(answer, status)}")

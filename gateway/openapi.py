@@ -149,6 +149,8 @@ GATEWAY_SCHEMAS: dict[str, Schema] = {
                                     "model": nullable(STRING),
                                     "api_key": nullable({"type": "string",
                                                          "pattern": "^[!-~]+$"}),
+                                    "admin_key": nullable({"type": "string",
+                                                           "pattern": "^[!-~]+$"}),
                                     **_SHADOW_CHANGE}},
     "ShadowChange": {"type": "object", "additionalProperties": False,
                      "properties": _SHADOW_CHANGE},

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import ENGINE_ADMIN_KEY_ENV, EngineConfig
 from protocol.measures import RequestTiming
 from tuner.engines import DEFAULT_ENGINE, LOOPBACK, Engine, engine_named, flag_value, sets_flag
 from tuner.loadgen import BenchError, RunOptions, Target, run_workload_sync
@@ -199,15 +199,17 @@ def check_reachable(url: str, api_key: str | None) -> None:
 class ReplayRunner:
     """A running `fairgate engine`: each trial's knobs go to /admin/reconfigure (weights stay
     loaded); a knob the engine refuses (one that needs a restart) makes the trial infeasible
-    with the engine's message.
+    with the engine's message. `api_key` goes with the workload (/v1/*, /load, /stats),
+    `admin_key` (None: the api_key) with /admin/config and /admin/reconfigure.
 
     The study's base is the engine's own config (`prepare` reads /admin/config), not the
     user's -c, and `finish` puts the engine back on it once the study ends, however it ends;
     with `apply` it leaves the engine on the study's winner instead."""
 
     def __init__(self, url: str, api_key: str | None, knobs: Sequence[str],
-                 apply: bool = False) -> None:
+                 apply: bool = False, admin_key: str | None = None) -> None:
         self.url, self.api_key, self.knobs = url.rstrip("/"), api_key, tuple(knobs)
+        self.admin_key = admin_key if admin_key is not None else api_key
         self.apply = apply
         self.original: EngineConfig | None = None  # the engine's config before the study
 
@@ -222,13 +224,15 @@ class ReplayRunner:
         """The config the engine runs under now (GET /admin/config); ValueError when it
         cannot be read or does not load here."""
         try:
-            status, body = request_json(f"{self.url}/admin/config", self.api_key)
+            status, body = request_json(f"{self.url}/admin/config", self.admin_key)
         except OSError as exc:
             raise ValueError(f"cannot reach {self.url}: {getattr(exc, 'reason', exc)}") from None
         values = body.get("config")
         if status != 200 or not isinstance(values, dict):
+            hint = (" (give the engine's admin key: --engine-admin-key or "
+                    f"${ENGINE_ADMIN_KEY_ENV})" if status == 401 else "")
             raise ValueError(f"cannot read the engine's config at {self.url}/admin/config: "
-                             f"{error_text(body, status)}")
+                             f"{error_text(body, status)}{hint}")
         try:
             return EngineConfig.from_dict(values)
         except (TypeError, ValueError) as exc:
@@ -254,7 +258,7 @@ class ReplayRunner:
         if not changes:
             return
         try:
-            status, body = request_json(f"{self.url}/admin/reconfigure", self.api_key,
+            status, body = request_json(f"{self.url}/admin/reconfigure", self.admin_key,
                                         {"changes": changes}, timeout=READY_TIMEOUT_S)
         except OSError as exc:
             raise ValueError(f"cannot reach {self.url}: {getattr(exc, 'reason', exc)}") from None

@@ -39,11 +39,12 @@ class TrialRunner(Protocol):
 @dataclass(frozen=True)
 class RunnerOptions:
     """What the HTTP runners need beyond the config: the engine's --url (replay), the server
-    --command template (launch), an API key, and the space's knobs (what replay reconfigures)."""
+    --command template (launch), its keys, and the space's knobs (what replay reconfigures)."""
 
     url: str | None = None
     command: str | None = None
-    api_key: str | None = None
+    api_key: str | None = None  # the engine's (replay, launch, shadow's engine): /v1/*, /load
+    engine_admin_key: str | None = None  # replay, shadow: the engine's /admin/*; None: api_key
     launch_timeout_s: float = 120.0
     knobs: tuple[str, ...] = ()
     gateway: str | None = None  # shadow: the gateway, its admin key and the target's name
@@ -82,7 +83,8 @@ def _replay_runner(options: RunnerOptions) -> TrialRunner:
 
     if options.url is None:
         raise ValueError("--mode replay needs --url URL of a running fairgate engine")
-    return ReplayRunner(options.url, options.api_key, options.knobs, apply=options.apply)
+    return ReplayRunner(options.url, options.api_key, options.knobs, apply=options.apply,
+                        admin_key=options.engine_admin_key)
 
 
 def _launch_runner(options: RunnerOptions) -> TrialRunner:
@@ -100,7 +102,9 @@ def _shadow_runner(options: RunnerOptions) -> TrialRunner:
     if options.gateway is None or options.shadow is None:
         raise ValueError("--mode shadow needs --gateway URL and --shadow NAME")
     return ShadowRunner(options.gateway, options.admin_key, options.shadow, options.knobs,
-                        options.shadow_requests, options.shadow_window_s)
+                        options.shadow_requests, options.shadow_window_s,
+                        engine_api_key=options.api_key,
+                        engine_admin_key=options.engine_admin_key)
 
 
 RUNNERS: dict[str, Callable[[RunnerOptions], TrialRunner]] = {

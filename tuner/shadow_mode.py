@@ -54,17 +54,21 @@ def timing_of(row: Sequence[Any]) -> RequestTiming:
 
 class ShadowRunner:
     """A gateway's shadow target: its engine reconfigured per trial, scored on mirrored
-    traffic."""
+    traffic. `admin_key` is the gateway's; `engine_api_key` and `engine_admin_key` (None: the
+    api key) are the shadow engine's, which the gateway never shows."""
 
     def __init__(self, gateway: str, admin_key: str | None, shadow: str,
-                 knobs: Sequence[str], requests: int, window_s: float) -> None:
+                 knobs: Sequence[str], requests: int, window_s: float,
+                 engine_api_key: str | None = None,
+                 engine_admin_key: str | None = None) -> None:
         self.gateway, self.admin_key, self.shadow = gateway.rstrip("/"), admin_key, shadow
         self.requests, self.window_s = requests, window_s
         target = find_target(self.gateway, admin_key, shadow)
         if target.get("kind") != "fairgate":
             raise ValueError(f"shadow target {shadow!r} is kind {target.get('kind')!r}: only a "
                              "fairgate engine can be reconfigured per trial")
-        self.engine = ReplayRunner(server_root(str(target["url"])), None, knobs)
+        self.engine = ReplayRunner(server_root(str(target["url"])), engine_api_key, knobs,
+                                   admin_key=engine_admin_key)
 
     def prepare(self, config: EngineConfig) -> EngineConfig:
         return config

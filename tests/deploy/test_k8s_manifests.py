@@ -1,11 +1,14 @@
 """deploy/k8s: each overlay renders with `kubectl kustomize`, every rendered object is valid
 against the Kubernetes JSON schemas (offline, `kubernetes-validate`), and the render holds what
 a working install needs: probes on the engine's paths, an HPA that does not scale on CPU alone,
-a PDB on every Deployment, the Secrets the pods name, and a fairgate.yaml the project's loader
-accepts with the admin key from the Secret."""
+a PDB on every Deployment, the Secrets the pods name, a fairgate.yaml the project's loader
+accepts with the admin key from the Secret, engines that start on 0.0.0.0 only with the keys the
+Secret gives them (and the gateway the same keys), and NetworkPolicies that let only the gateway
+and Prometheus reach the engines, and only the gateway the database and Redis."""
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -15,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from engine.config import EngineConfig
+from engine.config import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV, EngineConfig
 from fairgate.config import FairgateConfig, load_config_file, section
 from gateway.config import ADMIN_KEY_ENV
 
@@ -310,3 +313,124 @@ def test_the_prometheus_adapter_serves_the_hpa_metrics(rendered: list[dict[str, 
     hpa = one(rendered, "HorizontalPodAutoscaler", "fairgate-engine")
     wanted = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
     assert wanted <= served, f"no adapter rule for {wanted - served}"
+
+
+# ---- the engines' keys and who may reach them --------------------------------------------------
+def engine_args(pod_owner: dict[str, Any]) -> argparse.Namespace:
+    """The engine container's arguments as `fairgate engine` reads them."""
+    from fairgate.engine_cli import register
+
+    args = container(pod_owner, "engine")["args"]
+    assert args[0] == "engine"
+    parser = argparse.ArgumentParser()
+    register(parser)
+    return parser.parse_args(args[1:])
+
+
+def test_engines_start_on_every_address_only_with_the_secrets_keys(
+        rendered: list[dict[str, Any]], tmp_path: Path) -> None:
+    from fairgate.engine_cli import build_access
+
+    engine = one(rendered, "Deployment", "fairgate-engine")
+    args = engine_args(engine)
+    path = tmp_path / "engine.yaml"
+    path.write_text(config_map_file(rendered, engine, "config", "engine.yaml"))
+    args.config = str(path)  # the ConfigMap's file, where the pod mounts it
+    env = secret_env(rendered, engine, "engine")
+    secret = one(rendered, "Secret", "fairgate-secrets")["stringData"]
+    assert env == {ENGINE_KEY_ENV: secret["engine-key"],
+                   ENGINE_ADMIN_KEY_ENV: secret["engine-admin-key"]}
+    access = build_access(args, env)  # ValueError for a key under 16 characters
+    assert (access.api_key, access.admin_key) == (secret["engine-key"], secret["engine-admin-key"])
+    assert not access.allow_unauthenticated and "api_key" not in path.read_text()
+    with pytest.raises(ValueError, match="no api key"):  # bound to 0.0.0.0: never open
+        build_access(args, {})
+
+
+def test_the_gateway_sends_every_engine_the_keys_the_engines_want(
+        rendered: list[dict[str, Any]], tmp_path: Path) -> None:
+    gateway = one(rendered, "Deployment", "fairgate-gateway")
+    args = container(gateway, "gateway")["args"]
+    mounts = {m["mountPath"]: m["name"] for m in container(gateway, "gateway")["volumeMounts"]}
+    path = tmp_path / "fairgate.yaml"
+    path.write_text(config_map_file(rendered, gateway, mounts[str(Path(args[-1]).parent)],
+                                    Path(args[-1]).name))
+    data = load_config_file(path)
+    assert all("api_key" not in b and "admin_key" not in b
+               for b in section(data, "gateway").get("backends", [])), "a key in a ConfigMap"
+    config = FairgateConfig.from_dict(data, secret_env(rendered, gateway, "gateway"))
+    engine_env = secret_env(rendered, one(rendered, "Deployment", "fairgate-engine"), "engine")
+    assert config.gateway.backends
+    for backend in config.gateway.backends:
+        assert (backend.api_key, backend.effective_admin_key) == (
+            engine_env[ENGINE_KEY_ENV], engine_env[ENGINE_ADMIN_KEY_ENV])
+
+
+PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+              "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+
+def policies_for(docs: list[dict[str, Any]], deployment: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in objects(docs, "NetworkPolicy") if selects(p["spec"]["podSelector"],
+                                                                 deployment)]
+
+
+def allowed_peers(policy: dict[str, Any], port: str | int) -> list[dict[str, Any]]:
+    """The `from` peers of the policy's rules that open `port` (a rule without `from`: {})."""
+    peers: list[dict[str, Any]] = []
+    for rule in policy["spec"].get("ingress", []):
+        if any(p["port"] == port for p in rule.get("ports", [])):
+            peers.extend(rule.get("from", [{}]))
+    return peers
+
+
+def gateway_pods_only(docs: list[dict[str, Any]], peer: dict[str, Any]) -> bool:
+    return set(peer) == {"podSelector"} and selects(
+        peer["podSelector"], one(docs, "Deployment", "fairgate-gateway"))
+
+
+def test_network_policies_are_rendered_and_valid(rendered: list[dict[str, Any]],
+                                                 validator: Any) -> None:
+    policies = objects(rendered, "NetworkPolicy")
+    assert {p["metadata"]["name"] for p in policies} == {
+        "fairgate-engine", "fairgate-gateway", "fairgate-postgres", "fairgate-redis"}
+    for policy in policies:
+        assert policy["apiVersion"] == "networking.k8s.io/v1"
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        validator.validate(policy, K8S_VERSION, strict=True)
+    broken = yaml.safe_load(yaml.safe_dump(policies[0]))
+    broken["spec"]["ingress"][0]["fromm"] = broken["spec"]["ingress"][0].pop("from")
+    with pytest.raises(validator.ValidationError):
+        validator.validate(broken, K8S_VERSION, strict=True)
+
+
+def test_only_the_gateway_and_prometheus_reach_the_engines(
+        rendered: list[dict[str, Any]]) -> None:
+    engine = one(rendered, "Deployment", "fairgate-engine")
+    [policy] = policies_for(rendered, engine)
+    ports = {p["name"] for p in container(engine, "engine")["ports"]}
+    for rule in policy["spec"]["ingress"]:
+        assert {p["port"] for p in rule["ports"]} <= ports and rule["from"], rule
+    peers = allowed_peers(policy, "http")
+    assert len(peers) == 2 and PROMETHEUS in peers
+    assert gateway_pods_only(rendered, next(p for p in peers if p != PROMETHEUS))
+
+
+def test_the_gateways_metrics_port_is_for_prometheus_only(
+        rendered: list[dict[str, Any]]) -> None:
+    gateway = one(rendered, "Deployment", "fairgate-gateway")
+    [policy] = policies_for(rendered, gateway)
+    assert allowed_peers(policy, "metrics") == [PROMETHEUS]
+    assert allowed_peers(policy, "http") == [{}]  # the API: from anywhere
+    assert {p["name"] for p in container(gateway, "gateway")["ports"]} == {"http", "metrics"}
+
+
+def test_only_the_gateway_reaches_the_database_and_redis() -> None:
+    docs = render("cpu-demo")  # the overlay that runs them
+    for name, port in (("fairgate-postgres", 5432), ("fairgate-redis", 6379)):
+        deployment = one(docs, "Deployment", name)
+        [policy] = policies_for(docs, deployment)
+        peers = allowed_peers(policy, port)
+        assert len(peers) == 1 and gateway_pods_only(docs, peers[0]), (name, peers)
+        served = {p["containerPort"] for c in containers(deployment) for p in c["ports"]}
+        assert served == {port}
