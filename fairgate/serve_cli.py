@@ -7,7 +7,7 @@ import os
 
 from engine.server import freeze_startup_heap, install_fast_event_loop
 from fairgate.config import FairgateConfig
-from gateway.app import DEMO_TENANT, make_app, make_metrics_app
+from gateway.app import DEMO_TENANT, make_app, make_metrics_app, server_options
 from gateway.config import ADMIN_KEY_ENV
 from protocol.serving import serve, setup_logging
 
@@ -41,8 +41,6 @@ def run(args: argparse.Namespace) -> int:
              "gateway.admin_key" if config.gateway.admin_key else "off")
     print(f"fairgate gateway on http://{host}:{port} -> {backends}; "
           f"dispatch={config.gateway.dispatch}; admin key: {admin}", flush=True)
-    # handler_cancellation: a client that hangs up cancels its handler, which removes it from
-    # the queue or aborts its engine request at once.
     settings = config.gateway
     extra = [] if settings.metrics_port is None else [
         (make_metrics_app(app), settings.metrics_host, settings.metrics_port)]
@@ -54,6 +52,5 @@ def run(args: argparse.Namespace) -> int:
 
     install_fast_event_loop()
     # OSError (an address in use): the dispatcher's one line and exit 2
-    serve(app, host, port, extra=extra, on_listening=listening, handler_cancellation=True,
-          access_log=None)
+    serve(app, host, port, extra=extra, on_listening=listening, **server_options(settings))
     return 0

@@ -100,6 +100,16 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     return app
 
 
+def server_options(settings: GatewayConfig) -> dict[str, Any]:
+    """How the gateway's aiohttp server runs (protocol.serving.Runner's keywords, which
+    `fairgate serve` passes to `serve`): a client that hangs up cancels its handler, which
+    removes it from the queue or aborts its engine request at once (handler_cancellation);
+    a connection whose request headers take longer than `header_timeout_s` is closed; no
+    access log (`log_requests` logs what may be logged)."""
+    return {"handler_cancellation": True, "access_log": None,
+            "header_timeout": settings.header_timeout_s}
+
+
 def _ledger(store: TenantStore, settings: GatewayConfig, database: str) -> UsageLedger:
     """Its files in `usage_spill_dir`, named per database, so a gateway never replays another
     database's records: the spill (records a shutdown could not write) and the dead letters

@@ -125,6 +125,30 @@ class Job:
                               self.req.include_usage)
 
 
+# fairgate engine extensions: the gateway's to set (the caller's tenant, its weight and
+# priority), never a client's to pass on
+ENGINE_EXTENSIONS = ("tenant", "tenant_weight", "priority")
+
+
+def engine_body(job: Job, model: str, stream: bool, fairgate: bool) -> dict[str, Any]:
+    """The body an engine gets for `job`: the client's, with the model to run, max_tokens
+    resolved, usage asked for when streamed, and the fairgate extensions the gateway's own
+    (a `fairgate` engine) or none of them (any other server, which gets vLLM's per-tenant
+    prefix-cache salt). The shadow copies of a request are this body too."""
+    body = {k: v for k, v in job.req.body.items()
+            if k not in ENGINE_EXTENSIONS and k != "max_completion_tokens"}
+    body.update(model=model, stream=stream, max_tokens=job.max_tokens)
+    if job.default_max_tokens:
+        del body["max_tokens"]
+    if stream:  # always ask for usage: it settles the tenant's charge exactly
+        body["stream_options"] = {"include_usage": True}
+    if fairgate:
+        body.update(tenant=job.tenant, priority=job.priority, tenant_weight=job.tenant_weight)
+    else:
+        body["cache_salt"] = job.tenant  # vLLM's per-tenant prefix-cache isolation
+    return body
+
+
 @dataclass
 class Outcome:
     """What the proxy learns while a job runs (for settling, usage and metrics)."""
@@ -416,19 +440,7 @@ class RemoteBackend:
 
     # ---- requests ---------------------------------------------------------------------------
     def _body(self, job: Job, stream: bool) -> bytes:
-        body = dict(job.req.body)
-        body.update(model=self.model_name, stream=stream, max_tokens=job.max_tokens)
-        body.pop("max_completion_tokens", None)
-        if job.default_max_tokens:
-            del body["max_tokens"]
-        if stream:  # always ask for usage: it settles the tenant's charge exactly
-            body["stream_options"] = {"include_usage": True}
-        if self.fairgate:
-            body.update(tenant=job.tenant, priority=job.priority,
-                        tenant_weight=job.tenant_weight)
-        else:
-            body.pop("priority", None)
-            body["cache_salt"] = job.tenant  # vLLM's per-tenant prefix-cache isolation
+        body = engine_body(job, self.model_name, stream, self.fairgate)
         return json.dumps(body, separators=(",", ":")).encode()
 
     async def _post(self, job: Job, stream: bool) -> Response:

@@ -10,8 +10,12 @@ when the gateway counted them with a tokenizer, else over its text (`block_token
 block, the gateway's own estimate of a token).
 
 The live path appends the request and its figures to a list; a background task hashes,
-encodes and writes them in batches off the event loop (in a thread) every `FLUSH_S`, rotating the file past `rotate_mb` (the full file is renamed with a UTC
-time stamp and a new one begun). Shutdown writes what is left.
+encodes and writes them in batches off the event loop (in a thread) every `FLUSH_S`, rotating
+the file past `rotate_mb` (the full file is renamed with a UTC time stamp and a new one begun)
+and then deleting the oldest rotated files past `max_files` of them or `max_total_mb` in all
+(the current file counted at `rotate_mb`, the size it grows to; it is never deleted). Shutdown
+writes what is left. The files are the gateway's alone (mode 0600): without prompt text they
+still say who sent what, and when.
 
 Every file this process writes to begins its lines with a header comment that names the
 capture's start (`# fairgate trace captured from <UTC>; ... (epoch <seconds>)`), also when it
@@ -45,6 +49,8 @@ log = logging.getLogger("fairgate.gateway")
 FLUSH_S = 0.5
 BLOCK_TOKENS = 512  # tuner.traces.BLOCK_TOKENS: the block a prefix hash covers
 SECRET_ENV = "FAIRGATE_CAPTURE_SECRET"
+FILE_MODE = 0o600
+MB = 1 << 20
 
 
 class TraceCapture:
@@ -104,6 +110,7 @@ class TraceCapture:
     # ---- writing -------------------------------------------------------------------------------
     def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.prune()  # an earlier gateway's files, to this one's bounds
         self._task = asyncio.create_task(self._flusher(), name="trace capture")
 
     async def close(self) -> None:
@@ -136,20 +143,67 @@ class TraceCapture:
 
     def _write(self, records: list[tuple[OpenAIRequest, dict[str, Any]]]) -> None:
         lines = [self.encode(req, line) for req, line in records]
-        if self.path.exists() and self.path.stat().st_size >= self.config.rotate_mb * (1 << 20):
-            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-            rotated = self.path.with_name(f"{self.path.stem}-{stamp}{self.path.suffix}")
-            n = 1
-            while rotated.exists():  # two rotations in one second: never overwrite one
-                n += 1
-                rotated = self.path.with_name(f"{self.path.stem}-{stamp}-{n}{self.path.suffix}")
-            os.replace(self.path, rotated)
+        if self.path.exists() and self.path.stat().st_size >= self.config.rotate_mb * MB:
+            self._rotate()
         new = not self.path.exists()
-        with self.path.open("a", encoding="utf-8") as f:
+        # 0600 from its creation (the umask only ever takes bits away), and one an earlier
+        # gateway left is made so too
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
             if new or not self._headed:  # a new file, or one an earlier gateway left
+                os.fchmod(fd, FILE_MODE)
                 f.write(header(self.started_at))
                 self._headed = True
             f.write("\n".join(lines) + "\n")
+
+    def _rotate(self) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        # a second rotation within the second is numbered after every one before it (a
+        # number freed by a deletion is never taken again: the names keep the files' order)
+        n = 1 + max((n for s, n, _ in self._rotations() if s == stamp), default=0)
+        number = "" if n == 1 else f"-{n}"
+        os.replace(self.path, self.path.with_name(
+            f"{self.path.stem}-{stamp}{number}{self.path.suffix}"))
+        self.prune()
+
+    def rotated(self) -> list[Path]:
+        """The rotated files of this capture, oldest first."""
+        return [path for _, _, path in self._rotations()]
+
+    def _rotations(self) -> list[tuple[str, int, Path]]:
+        """(time stamp, number within its second, path) of each rotated file, in order."""
+        name = re.compile(re.escape(self.path.stem) + r"-(\d{8}T\d{6}Z)(?:-(\d+))?"
+                          + re.escape(self.path.suffix))
+        found = []
+        for path in self.path.parent.glob(f"{self.path.stem}-*{self.path.suffix}"):
+            match = name.fullmatch(path.name)
+            if match:
+                found.append((match.group(1), int(match.group(2) or 1), path))
+        return sorted(found)
+
+    def prune(self) -> list[Path]:
+        """Delete the oldest rotated files past `max_files` of them, or while the capture's
+        files would take more than `max_total_mb` in all once the current one (never deleted)
+        has grown to `rotate_mb`; the files deleted."""
+        rotated = self.rotated()
+        sizes = [_size(p) for p in rotated]
+        max_files, max_total_mb = self.config.max_files, self.config.max_total_mb
+        room = math.inf if max_total_mb is None else (
+            max_total_mb * MB - max(_size(self.path), self.config.rotate_mb * MB))
+        kept, total = len(rotated), sum(sizes)
+        deleted = []
+        for path, size in zip(rotated, sizes, strict=True):
+            if (max_files is None or kept <= max_files) and total <= room:
+                break
+            with contextlib.suppress(FileNotFoundError):  # removed by the operator meanwhile
+                path.unlink()
+            deleted.append(path)
+            kept, total = kept - 1, total - size
+        if deleted:
+            log.info("trace capture: deleted %d rotated file(s) past max_files=%s / "
+                     "max_total_mb=%s: %s", len(deleted), max_files, max_total_mb,
+                     ", ".join(p.name for p in deleted))
+        return deleted
 
     # ---- reading (GET /admin/capture) -----------------------------------------------------------
     async def window(self, since: float, until: float, limit: int | None) -> str:
@@ -176,6 +230,13 @@ class TraceCapture:
             except FileNotFoundError:  # rotated away meanwhile, or never written yet
                 continue
         return out
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 HEADER_EPOCH = re.compile(r"\(epoch (\d+(?:\.\d*)?)\)")

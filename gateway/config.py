@@ -16,7 +16,8 @@ from engine.config import check_header_key, environment_keys
 from gateway.auth import DEFAULT_OUTAGE_GRACE_S
 from gateway.fairqueue import DISPATCH_POLICIES
 from gateway.shared import split_redis_url
-from protocol.openai import server_root
+from protocol.openai import MAX_MODEL_NAME, server_root
+from protocol.serving import DEFAULT_HEADER_TIMEOUT_S
 from protocol.validators import (
     check_bool,
     check_choice,
@@ -25,6 +26,7 @@ from protocol.validators import (
     check_positive_int,
     from_mapping,
 )
+from tenants.values import check_tenant_name, shown
 
 BACKEND_KINDS = ("fairgate", "openai")
 ROUTING_POLICIES = ("least_loaded", "prefix")
@@ -97,6 +99,8 @@ _PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2]
 # a shadow target's URL and name, as the config check and the admin API's schema read them
 SHADOW_URL_PATTERN = rf"^https?://[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:{_PORT})?(/v1)?$"
 SHADOW_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+# the model a shadow target is sent: a name an engine can serve, no control character in it
+MODEL_NAME_PATTERN = rf"^[^\x00-\x1f\x7f-\x9f]{{1,{MAX_MODEL_NAME}}}$"
 
 
 @dataclass(frozen=True)
@@ -117,10 +121,10 @@ class ShadowConfig:
     timeout_s: float = 120.0  # one copy, end to end, and the longest silence in its stream
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not re.match(SHADOW_NAME_PATTERN, self.name):
+        if not isinstance(self.name, str) or not re.fullmatch(SHADOW_NAME_PATTERN, self.name):
             raise ValueError("gateway.shadow[].name must be 1-64 letters, digits, '.', '_' or "
                              f"'-', got {self.name!r}")
-        if not isinstance(self.url, str) or not re.match(SHADOW_URL_PATTERN, self.url):
+        if not isinstance(self.url, str) or not re.fullmatch(SHADOW_URL_PATTERN, self.url):
             raise ValueError(f"gateway.shadow[{self.name}].url must be http(s)://host[:port] "
                              f"(optionally with /v1), got {self.url!r}")
         check_choice(f"gateway.shadow[{self.name}].kind", self.kind, BACKEND_KINDS)
@@ -132,9 +136,20 @@ class ShadowConfig:
         check_number(f"gateway.shadow[{self.name}].timeout_s", self.timeout_s, low=0,
                      high=86400, open_low=True)
         check_keys(f"gateway.shadow[{self.name}]", self)
-        if not self.tenants or not all(isinstance(t, str) and t for t in self.tenants):
+        if self.model is not None and (not isinstance(self.model, str)
+                                       or not re.fullmatch(MODEL_NAME_PATTERN, self.model)):
+            raise ValueError(f"gateway.shadow[{self.name}].model must be a model name (1-"
+                             f"{MAX_MODEL_NAME} characters, no control characters) or null, "
+                             f"got {shown(self.model)}")
+        if not self.tenants:
             raise ValueError(f"gateway.shadow[{self.name}].tenants must be 'all' or a list of "
                              "tenant names")
+        for tenant in self.tenants:
+            try:
+                check_tenant_name(tenant)
+            except ValueError as exc:
+                raise ValueError(f"gateway.shadow[{self.name}].tenants must be 'all' or a "
+                                 f"list of tenant names: {exc}") from None
 
     @property
     def base_url(self) -> str:
@@ -172,6 +187,10 @@ class CaptureConfig:
     path: str
     sample: float = 1.0
     rotate_mb: float = 64.0  # past this size the file is renamed with a time stamp
+    # the oldest rotated files are deleted past either bound (None: no bound): this many
+    # rotated files, this many MB in all (the current file, never deleted, counted at rotate_mb)
+    max_files: int | None = 16
+    max_total_mb: float | None = 1024.0
     secret: str | None = None  # keys the prefix hashes (else FAIRGATE_CAPTURE_SECRET, else random)
     prompt_text: bool = False  # also write each prompt's text (off: nothing of it is written)
 
@@ -180,6 +199,15 @@ class CaptureConfig:
             raise ValueError("gateway.capture.path must be a file path")
         check_number("gateway.capture.sample", self.sample, low=0, high=1)
         check_number("gateway.capture.rotate_mb", self.rotate_mb, low=0, open_low=True)
+        if self.max_files is not None:
+            check_int("gateway.capture.max_files", self.max_files, low=0)
+        if self.max_total_mb is not None:
+            check_number("gateway.capture.max_total_mb", self.max_total_mb, low=0,
+                         open_low=True)
+            if self.max_total_mb < self.rotate_mb:
+                raise ValueError(f"gateway.capture.max_total_mb ({self.max_total_mb:g}) must be "
+                                 f">= rotate_mb ({self.rotate_mb:g}): the current file alone "
+                                 "grows to rotate_mb")
         check_bool("gateway.capture.prompt_text", self.prompt_text)
         if self.secret is not None and (not isinstance(self.secret, str) or len(self.secret) < 16):
             raise ValueError("gateway.capture.secret must be a string of at least 16 characters")
@@ -223,6 +251,7 @@ class GatewayConfig:
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 600.0  # one request, end to end, once dispatched
     client_timeout_s: float = 30.0  # a client must finish sending its body within this
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # ... and its request headers (closed)
     queue_timeout_s: float = 30.0  # default for tenants without their own
     max_queued_requests: int = 1024  # per tenant, default for tenants without their own
     max_queued_tokens: int = 4_000_000  # per tenant, estimated tokens
@@ -280,8 +309,8 @@ class GatewayConfig:
         check_int("gateway.backend_waiting_slack", self.backend_waiting_slack, low=0)
         check_number("gateway.dispatch_headroom", self.dispatch_headroom, low=0, high=1,
                      open_high=True)
-        for name in ("request_timeout_s", "client_timeout_s", "queue_timeout_s",
-                     "output_estimate_window_s", "backend_poll_interval_s",
+        for name in ("request_timeout_s", "client_timeout_s", "header_timeout_s",
+                     "queue_timeout_s", "output_estimate_window_s", "backend_poll_interval_s",
                      "backend_retry_after_s", "backend_first_byte_timeout_s",
                      "backend_stall_timeout_s"):
             check_number(f"gateway.{name}", getattr(self, name), low=0, open_low=True)

@@ -26,8 +26,9 @@ from aiohttp import web
 
 from gateway.admin import _database, _path_tenant, query_float
 from gateway.auth import SESSION_COOKIE, SESSION_TTL_S, bearer
-from gateway.state import AUTH, GATEWAY, JOBS, METRICS, STORE
+from gateway.state import AUTH, GATEWAY, JOBS, METRICS, SETTINGS, STORE
 from protocol.errors import ApiError
+from protocol.http import read_form
 from tenants import TenantInfo
 from tenants.slo_views import hour_p99s, period_counts, tenant_series, tenant_slo
 
@@ -118,7 +119,7 @@ async def login(request: web.Request) -> web.Response:
                        code="admin_disabled")
     if not _same_origin(request):
         raise ApiError(403, "a login from another site's page", code="cross_origin")
-    form = await request.post()
+    form = await read_form(request, request.app[SETTINGS].client_timeout_s)
     # the failed-attempt budget per address that /admin/*'s bearer keys and API keys spend
     if not auth.admin_key_matches(request.remote or "", form.get("key")):
         raise web.HTTPSeeOther("/dashboard/login?failed=1")

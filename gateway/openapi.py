@@ -18,7 +18,12 @@ from typing import Any
 from aiohttp import web
 
 from gateway.admin import CAPTURE_MEDIA_TYPE, MAX_CAPTURE_LIMIT
-from gateway.config import BACKEND_KINDS, SHADOW_NAME_PATTERN, SHADOW_URL_PATTERN
+from gateway.config import (
+    BACKEND_KINDS,
+    MODEL_NAME_PATTERN,
+    SHADOW_NAME_PATTERN,
+    SHADOW_URL_PATTERN,
+)
 from gateway.jobs import (
     JOB_FILES,
     JOB_ID_PATTERN,
@@ -120,7 +125,7 @@ _SHADOW_URL: Schema = {"type": "string", "description": "http(s)://host[:port][/
 _SHADOW_CHANGE: dict[str, Schema] = {
     "sample": {"type": "number", "minimum": 0, "maximum": 1},
     "tenants": {"oneOf": [{"const": "all"}, {"type": "array", "minItems": 1,
-                                             "items": {"type": "string", "minLength": 1}}]},
+                                             "items": TENANT_NAME}]},
     "max_inflight": {"type": "integer", "minimum": 1, "maximum": 1024},
     "max_queue": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
     "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400}}
@@ -146,7 +151,8 @@ GATEWAY_SCHEMAS: dict[str, Schema] = {
                      "additionalProperties": False,
                      "properties": {"name": SHADOW_NAME, "url": _SHADOW_URL,
                                     "kind": {"enum": list(BACKEND_KINDS)},
-                                    "model": nullable(STRING),
+                                    "model": nullable({"type": "string",
+                                                       "pattern": MODEL_NAME_PATTERN}),
                                     "api_key": nullable({"type": "string",
                                                          "pattern": "^[!-~]+$"}),
                                     "admin_key": nullable({"type": "string",

@@ -19,7 +19,7 @@ from gateway.backends import Backend, BackendFailed, BackendUnavailable, Outcome
 from gateway.service import Admission
 from gateway.state import AUTH, GATEWAY, SETTINGS
 from protocol.errors import ApiError
-from protocol.http import SSE_HEADERS
+from protocol.http import SSE_HEADERS, client_timeout
 from protocol.openai import OpenAIRequest, error_event, parse_json_body, parse_request
 from protocol.sse import DONE
 
@@ -39,8 +39,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(settings.max_body_bytes) from None
     except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within "
-                       f"{settings.client_timeout_s:g} s", code="client_timeout") from None
+        raise client_timeout(settings.client_timeout_s) from None
     return parse_json_body(raw)
 
 
@@ -126,30 +125,38 @@ async def _stream(request: web.Request, adm: Admission, backend: Backend,
             first = await anext(events, b"")
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
-        status = await _pump(request, resp, first, events, deadline,
-                             adm.gateway.config.request_timeout_s)
-        adm.settle(status)
+        adm.settle(await _pump(request, resp, adm, first, events, deadline))
         return resp
     finally:
         await events.aclose()
 
 
-async def _pump(request: web.Request, resp: web.StreamResponse, first: bytes, events: Any, deadline: float,
-                timeout_s: float) -> int:
+async def _pump(request: web.Request, resp: web.StreamResponse, adm: Admission, first: bytes,
+                events: Any, deadline: float) -> int:
     """Write the stream; an error after the first byte travels as an SSE error event. The
-    deadline covers every write: a client that stops reading cannot hold its seat past it."""
+    deadline covers every write: a client that stops reading cannot hold its seat past it.
+    Once `[DONE]` is written the request is settled as served (200): a client that hangs up
+    as soon as it reads it (many do) was answered, whatever the end of the stream then meets
+    (a closing transport, a cancelled handler, the backend's own end)."""
     try:
         async with asyncio.timeout_at(deadline):
-            await resp.write(first)
+            await _write(resp, first, adm)
             async for chunk in events:
-                await resp.write(chunk)
+                await _write(resp, chunk, adm)
             await resp.write_eof()
             return 200
+    except ConnectionError:
+        if adm.settled:  # after [DONE]: the client left with its whole answer
+            return 200
+        raise
     except (ApiError, BackendUnavailable, TimeoutError) as exc:
+        if adm.settled:  # after [DONE]: nothing more is the client's; no event after the end
+            log.debug("after [DONE]: %s", exc)
+            return 200
         if isinstance(exc, ApiError):
             err = exc
         elif isinstance(exc, TimeoutError):
-            err = _request_timeout(timeout_s)
+            err = _request_timeout(adm.gateway.config.request_timeout_s)
         else:
             err = ApiError(503, str(exc), code="backend_error")
         await events.aclose()  # the engine's seat is free before the client hears why
@@ -167,3 +174,9 @@ async def _pump(request: web.Request, resp: web.StreamResponse, first: bytes, ev
             if request.transport is not None:
                 request.transport.abort()
         return err.status
+
+
+async def _write(resp: web.StreamResponse, chunk: bytes, adm: Admission) -> None:
+    await resp.write(chunk)
+    if chunk.endswith(DONE):  # a backend's stream ends with it (after any usage chunk)
+        adm.settle(200)

@@ -147,8 +147,7 @@ class Gateway:
             self.metrics.child("rejections", tenant.name, exc.reason).inc()
             raise ApiError(429, str(exc), code=exc.reason, retry_after=exc.retry_after) from None
         if self.shadows:  # admitted: a copy may go to the shadow targets (never waited on)
-            self.shadows.offer(job.request_id, req.body, req.endpoint, tenant.name, priority,
-                               tenant.slo)
+            self.shadows.offer(job, tenant.slo)
         return adm, future
 
     def _affinity(self, tenant: TenantInfo, req: OpenAIRequest) -> tuple[int, ...]:

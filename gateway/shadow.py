@@ -10,14 +10,17 @@ beyond that is dropped and counted, so a slow, failing or dead shadow changes no
 clients. Copies never touch a tenant's rate windows, queues, fair-share counters or usage
 ledger: they go straight to the shadow.
 
-Every copy is sent streaming (with usage), whatever the live request asked, and read to its end:
-its TTFT (from the copy's send) and every token's time are measured, then the answer is thrown
-away. The live side's timing is the gateway's own (from arrival; TTFT and gaps only for live
-streams). A pair is complete once both sides ended; `stats` summarises the pairs completed in a
-window: both sides' percentiles (TTFT and TPOT over requests, ITL over every gap), each side's
-SLO attainment per tenant (protocol.measures: TTFT and TPOT per request; ITL per gap, apart),
-the per-request shadow/live ratios, and a bootstrap interval for the difference of the p99s of
-the per-request measures.
+A copy's body is what the live engine got (`gateway.backends.engine_body`: the client's body
+with max_tokens resolved and the fairgate extensions the gateway's own, never the client's), for
+the shadow's model and kind, so a shadow-mode trial runs the live load and nothing a client
+added to it. Every copy is sent streaming (with usage), whatever the live request asked, and
+read to its end: its TTFT (from the copy's send) and every token's time are measured, then the
+answer is thrown away. The live side's timing is the gateway's own (from arrival; TTFT and
+gaps only for live streams). A pair is complete once both sides ended; `stats` summarises the
+pairs completed in a window: both sides' percentiles (TTFT and TPOT over requests, ITL over
+every gap), each side's SLO attainment per tenant (protocol.measures: TTFT and TPOT per
+request; ITL per gap, apart), the per-request shadow/live ratios, and a bootstrap interval for
+the difference of the p99s of the per-request measures.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.backends import Job, engine_body
 from gateway.config import ShadowConfig
 from gateway.metrics import GatewayMetrics
 from gateway.shadow_worker import FrameReader, FrameSender
@@ -89,22 +93,23 @@ class ShadowMirror:
         return self.config.name
 
     # ---- the live path: never waits ------------------------------------------------------------
-    def offer(self, request_id: str, body: dict[str, Any], endpoint: str, tenant: str,
-              priority: str, slo: SLO) -> None:
+    def offer(self, job: Job, slo: SLO) -> None:
         """Copy an admitted request when the sample draws it; dropped when the target is full."""
-        if self._tenants is not None and tenant not in self._tenants:
+        if self._tenants is not None and job.tenant not in self._tenants:
             return
         if self.config.sample < 1.0 and self.draw() >= self.config.sample:
             return
         if self.outstanding >= self._limit or len(self.pending) >= MAX_PENDING:
             self._drop("queue_full")
             return
-        self.pending[request_id] = Pair(tenant, slo)
+        self.pending[job.request_id] = Pair(job.tenant, slo)
         self.outstanding += 1
-        # the body is the client's, not copied (nothing on the live path changes it): pickled
-        # by the writer thread, encoded as JSON by the worker
-        self.send(("copy", self.name, request_id, body, endpoint, tenant, priority,
-                   time.perf_counter()))
+        # what the live engine gets, for this target (pickled by the writer thread, encoded
+        # as JSON by the worker)
+        body = engine_body(job, self.config.model or job.req.model or "", stream=True,
+                           fairgate=self.config.kind == "fairgate")
+        self.send(("copy", self.name, job.request_id, body, job.req.endpoint, job.tenant,
+                   job.priority, time.perf_counter()))
 
     def live_done(self, request_id: str, timing: RequestTiming) -> None:
         pair = self.pending.get(request_id)
@@ -335,10 +340,9 @@ class ShadowSet:
     def __bool__(self) -> bool:
         return bool(self.mirrors)
 
-    def offer(self, request_id: str, body: dict[str, Any], endpoint: str, tenant: str,
-              priority: str, slo: SLO) -> None:
+    def offer(self, job: Job, slo: SLO) -> None:
         for mirror in self.mirrors.values():
-            mirror.offer(request_id, body, endpoint, tenant, priority, slo)
+            mirror.offer(job, slo)
 
     def live_done(self, request_id: str, timing: RequestTiming) -> None:
         for mirror in self.mirrors.values():

@@ -1,6 +1,11 @@
 """The aiohttp side of the protocol, shared by the engine server and the gateway: the error
-middleware (every error in OpenAI's shape, never an HTML page or a traceback) and the
-headers of an SSE response."""
+middleware (every error in OpenAI's shape, never an HTML page or a traceback), reading a form
+body, and the headers of an SSE response.
+
+Whatever a client sends as a body is its own mistake when it cannot be read: a body that is
+not in its Content-Encoding or whose chunks are malformed (aiohttp raises these while it is
+read, wherever that is) and a form that does not parse (`read_form`) are 400s, never 500s.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,11 @@ import asyncio
 import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
+from multidict import MultiDictProxy
 
-from protocol.errors import ApiError
+from protocol.errors import ApiError, bad_request
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -38,6 +45,8 @@ def error_middleware(logger: logging.Logger) -> Middleware:
             response = error_response(error)
             response.headers.update({k: v for k, v in exc.headers.items() if k in _KEPT_HEADERS})
             return response
+        except (web.RequestPayloadError, HttpProcessingError):
+            return error_response(UNREADABLE_BODY)
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception:
@@ -45,6 +54,38 @@ def error_middleware(logger: logging.Logger) -> Middleware:
             return error_response(ApiError(500, "internal server error", code="internal_error"))
 
     return middleware
+
+
+UNREADABLE_BODY = bad_request("the request body cannot be read: it is not in its "
+                              "Content-Encoding, or its chunked encoding is malformed",
+                              code="invalid_body")
+FormValue = str | bytes | bytearray | web.FileField  # what aiohttp's form readers give
+_FORM_REASON_CHARS = 200  # of the form reader's own words, in the 400
+
+
+def client_timeout(timeout_s: float) -> ApiError:
+    """The 408 of a body that did not arrive within the server's body timeout."""
+    return ApiError(408, f"the request body did not arrive within {timeout_s:g} s",
+                    code="client_timeout")
+
+
+async def read_form(request: web.Request, timeout_s: float) -> MultiDictProxy[FormValue]:
+    """The request's form (urlencoded or multipart), sent within `timeout_s` (else 408); 400
+    for a form that does not parse (a multipart body without its boundary or with garbage, a
+    charset Python does not know, bytes that are not in the charset)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.post()
+    except TimeoutError:
+        raise client_timeout(timeout_s) from None
+    except (ValueError, LookupError, RuntimeError, AssertionError) as exc:
+        # what aiohttp's form readers raise on a body they cannot parse: ValueError (no
+        # boundary, a missing name, undecodable bytes), LookupError (an unknown charset),
+        # RuntimeError (an unknown Content-Transfer-Encoding), AssertionError (a part
+        # header it does not expect)
+        reason = str(exc)[:_FORM_REASON_CHARS] or type(exc).__name__
+        raise bad_request(f"the form body cannot be read: {reason}",
+                          code="invalid_form") from None
 
 
 def _message(exc: web.HTTPException) -> str:

@@ -1,6 +1,9 @@
 """Running an aiohttp server the way both fairgate servers need it: credentials redacted from
-every log line, and even the errors aiohttp answers before any handler runs (a header line over
-its limit, a malformed request line) in OpenAI's error shape.
+every log line, even the errors aiohttp answers before any handler runs (a header line over
+its limit, a malformed request line) in OpenAI's error shape, and a connection closed whose
+request headers do not arrive within `header_timeout` seconds (aiohttp has no such bound: a
+client sending a header line every few seconds held its connection for the hour of aiohttp's
+keep-alive timeout).
 
     setup_logging("INFO")                 # every handler of the root logger redacts
     serve(app, host, port, extra=[(metrics_app, "127.0.0.1", 9464)])
@@ -31,6 +34,7 @@ from aiohttp.web_server import Server
 from protocol.errors import ApiError
 
 log = logging.getLogger("fairgate.http")
+DEFAULT_HEADER_TIMEOUT_S = 20.0
 
 # A credential is whatever follows `Bearer` (or `Basic`), and anything shaped like a fairgate
 # key wherever it appears (a header echoed in an exception, a URL, a repr of bytes).
@@ -76,7 +80,51 @@ def install_redaction(logger: logging.Logger | None = None) -> None:
 
 
 class _Handler(RequestHandler):
-    """aiohttp's protocol handler, answering its own errors in OpenAI's shape."""
+    """aiohttp's protocol handler, answering its own errors in OpenAI's shape, and closing a
+    connection whose request headers take longer than `header_timeout` s: the first
+    request's from the connection's start, a later one's from its first byte (an idle
+    kept-alive connection is aiohttp's `keepalive_timeout`'s to close)."""
+
+    def __init__(self, manager: Server, *, header_timeout: float | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.header_timeout = header_timeout
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._start_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        # idle: waiting for the next request, so these bytes begin its headers
+        idle = self._waiter is not None and not self._waiter.done()
+        requests = self._request_count
+        super().data_received(data)
+        if self._request_count > requests:  # a request's headers are complete
+            self._stop_header_timer()
+        elif idle and data:
+            self._start_header_timer()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
+    def _start_header_timer(self) -> None:
+        if self.header_timeout is not None and self._header_timer is None:
+            self._header_timer = self._loop.call_later(self.header_timeout,
+                                                       self._header_timed_out)
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timed_out(self) -> None:
+        self._header_timer = None
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        self.logger.info("closed a connection from %s: its request headers did not arrive "
+                         "within %g s", peer, self.header_timeout)
+        self.force_close()
 
     def handle_error(self, request: BaseRequest, status: int = 500,
                      exc: BaseException | None = None,
@@ -122,7 +170,14 @@ class _Server(Server):
         return _Handler(self, loop=self._loop, **self._kwargs)
 
 
-class _Runner(web.AppRunner):
+class Runner(web.AppRunner):
+    """aiohttp's AppRunner whose connections are `_Handler`s: aiohttp's own errors in OpenAI's
+    shape, and `header_timeout` (seconds; None: no bound) on request headers."""
+
+    def __init__(self, app: web.Application, *,
+                 header_timeout: float | None = DEFAULT_HEADER_TIMEOUT_S, **kwargs: Any) -> None:
+        super().__init__(app, header_timeout=header_timeout, **kwargs)
+
     async def _make_server(self) -> Server:
         server = await super()._make_server()
         server.__class__ = _Server  # the same server, building the handler above
@@ -189,8 +244,8 @@ async def _serve(sites: list[Site], shutdown_timeout: float,
     try:
         for i, ((app, _, _), site_sockets) in enumerate(zip(sites, sockets, strict=True)):
             # Only the main application's runner handles signals; the others stop with it.
-            runner = _Runner(app, handle_signals=i == 0, shutdown_timeout=shutdown_timeout,
-                             **runner_kwargs)
+            runner = Runner(app, handle_signals=i == 0, shutdown_timeout=shutdown_timeout,
+                            **runner_kwargs)
             runners.append(runner)
             await runner.setup()
             for sock in site_sockets:

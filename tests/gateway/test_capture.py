@@ -3,6 +3,8 @@ with no prompt text in it."""
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,9 @@ import pytest
 
 from engine.config import EngineConfig
 from fairgate.cli import main
-from gateway.config import GatewayConfig
+from gateway.capture import TraceCapture
+from gateway.config import CaptureConfig, GatewayConfig
+from protocol.openai import parse_request
 from tests.gateway.helpers import collect, start_gateway
 from tuner.traces import load_trace
 
@@ -165,3 +169,90 @@ async def test_without_a_capture_the_endpoint_says_how_to_turn_it_on(
     status, error = await _error(h, "?since=0")
     assert status == 404 and error["code"] == "no_capture"
     assert "gateway.capture" in error["message"]
+
+
+# ---- retention and permissions -------------------------------------------------------------
+def _capture(path: Path, **bounds: Any) -> TraceCapture:
+    return TraceCapture(CaptureConfig(str(path), rotate_mb=0.0001, **bounds))  # ~100 bytes
+
+
+def _served(capture: TraceCapture, prompt_tokens: int) -> None:
+    req = parse_request({"prompt": "hi"}, "completions")
+    capture.record(req, "acme", "interactive", capture.started, prompt_tokens, 2, None)
+
+
+async def test_the_oldest_rotated_files_go_past_max_files(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    capture = _capture(path, max_files=2, max_total_mb=None)
+    capture.start()
+    try:
+        for i in range(6):  # each write finds the file past rotate_mb: 5 rotations
+            _served(capture, 100 + i)
+            await capture.flush()
+    finally:
+        await capture.close()
+    rotated = capture.rotated()
+    assert len(rotated) == 2 and sorted(tmp_path.glob("c*.jsonl")) == sorted([path, *rotated])
+    # the two newest rotated files and the current one: the last three requests
+    kept = [r.prompt_tokens for f in [*rotated, path] for r in load_trace(f)]
+    assert kept == [103, 104, 105]
+
+
+async def test_the_oldest_rotated_files_go_past_max_total_mb(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    # the operator's own file beside the capture is never the capture's to delete
+    (tmp_path / "c-notes.jsonl").write_text("mine\n")
+    capture = _capture(path, max_files=None, max_total_mb=0.001)  # ~1,000 bytes in all
+    for i in range(8):
+        _served(capture, 100 + i)
+        await capture.flush()
+    rotated = capture.rotated()
+    sizes = [f.stat().st_size for f in rotated]
+    # the rotated files leave room for the current one to grow to rotate_mb, and no more
+    # than that: one more rotated file (each is about as large) would not fit
+    room = (0.001 - 0.0001) * (1 << 20)
+    assert 2 <= len(rotated) < 7 and sum(sizes) <= room < sum(sizes) + max(sizes)
+    kept = [r.prompt_tokens for f in [*rotated, path] for r in load_trace(f)]
+    assert kept == list(range(108 - len(kept), 108))  # the newest, in order
+    assert (tmp_path / "c-notes.jsonl").read_text() == "mine\n"
+
+
+async def test_a_gateway_starting_deletes_what_is_past_the_bounds(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    for stamp in ("20261201T000000Z", "20261201T000000Z-2", "20261202T000000Z"):
+        (tmp_path / f"c-{stamp}.jsonl").write_text(_line(0.0, 1))
+    capture = _capture(path, max_files=1)
+    capture.start()
+    await capture.close()
+    assert [p.name for p in capture.rotated()] == ["c-20261202T000000Z.jsonl"]
+
+
+async def test_capture_files_are_the_gateways_alone(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    left = tmp_path / "left.jsonl"
+    left.write_text("# an earlier gateway's capture\n")
+    left.chmod(0o644)
+    previous = os.umask(0)  # the widest umask: nothing is taken away from a file's mode
+    try:
+        for target in (path, left):
+            capture = _capture(target)
+            for i in range(3):  # the current file and rotated ones
+                _served(capture, i)
+                await capture.flush()
+            for f in [target, *capture.rotated()]:
+                assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    finally:
+        os.umask(previous)
+
+
+def test_capture_bounds_are_checked() -> None:
+    for bad, message in (({"max_files": -1}, "max_files must be"),
+                         ({"max_files": 1.5}, "max_files must be"),
+                         ({"max_total_mb": 0}, "max_total_mb must be"),
+                         ({"max_total_mb": 10, "rotate_mb": 64}, r"max_total_mb \(10\) must be "
+                                                                 r">= rotate_mb \(64\)")):
+        with pytest.raises(ValueError, match=message):
+            GatewayConfig.from_dict({"capture": {"path": "x", **bad}})
+    unbounded = GatewayConfig.from_dict({"capture": {"path": "x", "max_files": None,
+                                                     "max_total_mb": None}}).capture
+    assert unbounded is not None and (unbounded.max_files, unbounded.max_total_mb) == (None, None)

@@ -1,7 +1,9 @@
 """schemathesis against the served gateway: requests generated from the gateway's own
 /openapi.json, bodies and parameters the document allows and ones it does not, with good
-keys and bad. Not one answer is a 5xx, every answer is one the document lists (status,
-content type, headers, body schema), and the usage ledger still flushes afterwards."""
+keys and bad: every operation is sent its own scheme's key, the admin key and a tenant's key
+(whatever it asks for), an unknown key, a malformed one and none. Not one answer is a 5xx,
+every answer is one the document lists (status, content type, headers, body schema), and the
+usage ledger still flushes afterwards."""
 
 from __future__ import annotations
 
@@ -61,8 +63,12 @@ def served(tmp_path: Any) -> Iterator[tuple[ServerThread, str]]:
     db_url = f"sqlite+aiosqlite:///{tmp_path / 'schemathesis.db'}"
     keys = asyncio.run(create_tenants(db_url, {"acme": {}}))
     # jobs are queued, never run here (max_running 0): no study runs beside the generator
+    # every request comes from one address and a third carry a key the operation does not
+    # take: with a failed-key budget the run would be the budget's 429s (tests/gateway/
+    # test_bad_keys.py and test_admin_budget.py hold that), so there is none here
     config = GatewayConfig(demo_tenant=False, admin_key=ADMIN_KEY, metrics_token=METRICS_TOKEN,
-                           jobs=JobsConfig(dir=str(tmp_path / "jobs"), max_running=0))
+                           jobs=JobsConfig(dir=str(tmp_path / "jobs"), max_running=0),
+                           auth_failures_per_s=0)
     with ServerThread(make_app(config, engine=ENGINE, database=db_url)) as server:
         yield server, keys["acme"]
 
@@ -71,17 +77,29 @@ def _keys(tenant_key: str) -> dict[str, str]:
     return {"tenantKey": tenant_key, "adminKey": ADMIN_KEY, "metricsToken": METRICS_TOKEN}
 
 
-# the key a request carries: its scheme's, mostly; else one of the wrong ones
-AUTH = st.sampled_from(["good"] * 6 + ["unknown key", "not a key", "none"])
+# the key a request carries: its scheme's, mostly; else the admin key or a tenant's whatever
+# the operation asks for (one of them is the wrong one), or one of the bad ones
+AUTH = st.sampled_from(["good"] * 4 + ["adminKey", "tenantKey"] * 2
+                       + ["unknown key", "not a key", "none"])
+
+
+def _scheme(operation: Any) -> str | None:
+    """The security scheme the operation asks for (its first), None when it asks for none."""
+    schemes = [name for requirement in operation.definition.raw.get("security", [])
+               for name in requirement]
+    return schemes[0] if schemes else None
+
+
+def _key_sent(operation: Any, auth: str) -> str:
+    """Which key a request carries: a scheme's (adminKey, tenantKey, metricsToken) or another."""
+    return (_scheme(operation) or "none") if auth == "good" else auth
 
 
 def _headers(operation: Any, auth: str, keys: dict[str, str]) -> dict[str, str]:
-    schemes = [name for requirement in operation.definition.raw.get("security", [])
-               for name in requirement]
-    if not schemes or auth == "none":
+    sent = _key_sent(operation, auth)
+    if sent == "none":
         return {}
-    key = {"good": keys[schemes[0]], "unknown key": generate_key(),
-           "not a key": "sk-not-a-key"}[auth]
+    key = keys.get(sent) or {"unknown key": generate_key(), "not a key": "sk-not-a-key"}[sent]
     return {"Authorization": f"Bearer {key}"}
 
 
@@ -99,6 +117,7 @@ def test_generated_requests_get_documented_answers_and_no_5xx(
     schema.validate()
     before = _usage(server, tenant_key)["requests"]
     statuses: collections.Counter[tuple[str, int]] = collections.Counter()
+    sent: collections.Counter[tuple[str, str]] = collections.Counter()  # (operation, key)
     keys = _keys(tenant_key)
     with requests.Session() as session:
         for result in schema.get_all_operations():
@@ -107,10 +126,15 @@ def test_generated_requests_get_documented_answers_and_no_5xx(
             if operation.body or operation.query or operation.path_parameters:
                 modes.append(GenerationMode.NEGATIVE)
             for mode in modes:
-                _fuzz(server, session, operation, mode, keys, statuses)
+                _fuzz(server, session, operation, mode, keys, statuses, sent)
     total = sum(statuses.values())
     assert total >= MIN_REQUESTS, statuses
     assert not [k for k in statuses if k[1] >= 500], statuses
+    # every operation was sent both keys
+    operations = {label for label, _ in sent}
+    missing = [(label, key) for label in operations for key in ("adminKey", "tenantKey")
+               if not sent[(label, key)]]
+    assert not missing, missing
     assert any(status == 200 for (label, status) in statuses if label.startswith("POST /v1"))
 
     ledger = server.app[GATEWAY].ledger
@@ -121,7 +145,8 @@ def test_generated_requests_get_documented_answers_and_no_5xx(
 
 def _fuzz(server: ServerThread, session: requests.Session, operation: Any,
           mode: GenerationMode, keys: dict[str, str],
-          statuses: collections.Counter[tuple[str, int]]) -> None:
+          statuses: collections.Counter[tuple[str, int]],
+          sent: collections.Counter[tuple[str, str]]) -> None:
     examples = EXAMPLES.get(operation.label, DEFAULT_EXAMPLES)
 
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
@@ -129,6 +154,7 @@ def _fuzz(server: ServerThread, session: requests.Session, operation: Any,
     @given(case=operation.as_strategy(generation_mode=mode), auth=AUTH)
     def run(case: Any, auth: str) -> None:
         headers = _headers(operation, auth, keys)
+        sent[(operation.label, _key_sent(operation, auth))] += 1
         response = case.call(base_url=server.url, session=session, headers=headers,
                              timeout=30)
         statuses[(operation.label, response.status_code)] += 1

@@ -4,20 +4,25 @@ are paired with the live ones, and nothing about the shadow reaches live clients
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.request import SamplingParams
 from engine.server import make_app as make_engine_app
+from gateway.backends import Job
 from gateway.config import GatewayConfig, ShadowConfig
 from gateway.metrics import GatewayMetrics
 from gateway.shadow import Pair, ShadowMirror, paired_stats
 from protocol.measures import SLO, RequestTiming
+from protocol.openai import parse_request
 from tests.gateway.helpers import collect, completion, start_gateway
 from tests.support.processes import fairgate_engine_process
 from tests.support.waiting import wait_for
@@ -177,6 +182,11 @@ async def test_a_ten_times_slower_shadow_leaves_live_latency_alone(
     assert stats["p99_difference"]["e2e"]["shadow_minus_live_s"] > 0
 
 
+def _job(request_id: str, tenant: str) -> Job:
+    req = parse_request({"prompt": "x"}, "completions")
+    return Job(request_id, req, tenant, "batch", 2, SamplingParams(max_tokens=16))
+
+
 def test_sampling_and_tenant_filters_choose_the_copies() -> None:
     draws = iter([0.1, 0.9, 0.4, 0.6])
     sent: list[tuple[Any, ...]] = []
@@ -184,9 +194,100 @@ def test_sampling_and_tenant_filters_choose_the_copies() -> None:
                                        tenants=("acme",)), GatewayMetrics(), sent.append,
                           draw=lambda: next(draws))
     for i in range(4):
-        mirror.offer(f"r{i}", {"prompt": "x"}, "completions", "acme", "batch", SLO())
-    mirror.offer("other", {"prompt": "x"}, "completions", "globex", "batch", SLO())
+        mirror.offer(_job(f"r{i}", "acme"), SLO())
+    mirror.offer(_job("other", "globex"), SLO())
     assert [copy[2] for copy in sent] == ["r0", "r2"]
+
+
+def _recording(app: web.Application) -> list[dict[str, Any]]:
+    """Every completion body `app` is sent, as it arrives (before its handler reads it)."""
+    received: list[dict[str, Any]] = []
+
+    @web.middleware
+    async def record(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method == "POST" and request.path.startswith("/v1/"):
+            received.append(json.loads(await request.read()))  # read() keeps the bytes
+        return await handler(request)
+
+    app.middlewares.append(record)
+    return received
+
+
+# what a client may add to its body: its own tenant, weight and priority, a salt, a field the
+# API does not know, the newer name of max_tokens
+CLIENT_EXTRAS = {"tenant": "globex", "tenant_weight": 1_000_000, "priority": "batch",
+                 "cache_salt": "mine", "user": "someone", "max_completion_tokens": 5}
+
+
+@pytest.mark.parametrize("kind", ["fairgate", "openai"])
+async def test_a_copy_carries_exactly_what_the_live_engine_got(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str, kind: str) -> None:
+    """The live engine's body and the shadow's are read where they arrive: equal, with the
+    gateway's tenant and weight (fairgate) or none of them (openai), never the client's."""
+    def server_app() -> web.Application:
+        return (make_engine_app(AsyncEngine(REALTIME)) if kind == "fairgate" else
+                make_fake_app(model="random:tiny"))
+
+    live_app, shadow_app = server_app(), server_app()
+    live_bodies, shadow_bodies = _recording(live_app), _recording(shadow_app)
+    live, shadow = await aiohttp_server(live_app), await aiohttp_server(shadow_app)
+    h = await start_gateway(aiohttp_client, db_url, tenants={"acme": {"weight": 2.0}}, gateway={
+        "backends": [{"url": str(live.make_url("/v1")), "kind": kind}],
+        "shadow": [{"name": "s", "url": str(shadow.make_url("/v1")), "kind": kind}]})
+    streams = (True, False) if kind == "fairgate" else (True,)  # the fake server streams
+    for stream in streams:
+        resp = await h.post("acme", completion("hello", max_tokens=4, stream=stream,
+                                               **CLIENT_EXTRAS))
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    mirror = h.gateway.shadows.mirrors["s"]
+    await wait_for(lambda: len(mirror.pairs) == len(streams), timeout=30)
+    assert len(live_bodies) == len(shadow_bodies) == len(streams)
+    # a copy is always streamed (its tokens are timed): the streamed live request's body is
+    # the copies' body, field for field, and a whole answer's differs in that alone
+    assert shadow_bodies[0] == live_bodies[0]
+    if kind == "fairgate":
+        assert shadow_bodies[1] == {**live_bodies[1], "stream": True,
+                                    "stream_options": {"include_usage": True}}
+    for body in shadow_bodies:
+        # max_completion_tokens is chat's name: a completion's max_tokens is its own
+        assert body["max_tokens"] == 4 and "max_completion_tokens" not in body
+        assert body["user"] == "someone"
+        if kind == "fairgate":
+            assert (body["tenant"], body["tenant_weight"], body["priority"]) == (
+                "acme", 2.0, "batch")
+        else:
+            assert "tenant" not in body and "tenant_weight" not in body
+            assert "priority" not in body and body["cache_salt"] == "acme"
+
+
+# a target as the config reads it and as POST /admin/shadow does: the same rules, one check
+BAD_TARGETS = [
+    ({"model": {}}, "model"), ({"model": ""}, "model"), ({"model": "a\x00b"}, "model"),
+    ({"model": "m" * 257}, "model"), ({"tenants": ["ac\x01me"]}, "tenants"),
+    ({"tenants": ["acme", ""]}, "tenants"), ({"tenants": [{}]}, "tenants"),
+    ({"tenants": ["acme\n"]}, "tenants"), ({"name": "s\n"}, "name"),
+    ({"url": "http://x:1\n"}, "url"),
+]
+
+
+async def test_bad_targets_are_refused_by_the_config_and_the_admin_api(
+        aiohttp_client: Any, db_url: str) -> None:
+    h = await start_gateway(aiohttp_client, db_url)
+    for change, param in BAD_TARGETS:
+        target = {"name": "s", "url": "http://127.0.0.1:9", **change}
+        with pytest.raises(ValueError, match=r"gateway\.shadow"):
+            GatewayConfig.from_dict({"shadow": [target]})
+        resp = await h.client.post("/admin/shadow", json=target, headers=ADMIN)
+        error = (await resp.json())["error"]
+        assert (resp.status, error["param"]) == (400, param), (change, error)
+    assert not h.gateway.shadows.mirrors
+    good = {"name": "s", "url": "http://127.0.0.1:9", "model": "org/Model-7B v2",
+            "tenants": ["acme"]}
+    assert (await h.client.post("/admin/shadow", json=good, headers=ADMIN)).status == 201
+    resp = await h.client.patch("/admin/shadow/s", json={"tenants": ["bad\x7f"]},
+                                headers=ADMIN)
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "tenants"
 
 
 def test_config_rejects_bad_targets() -> None:
