@@ -1,18 +1,54 @@
 """Apply a tune job's best config to one live engine as a canary, then promote it to the other
 replicas or roll it back, on measured SLOs.
 
-The gateway keeps every live request it served with the backend that served it (`Served`,
-a bounded window). An apply (`run_apply`) drains the canary (no new dispatch; its streams
-finish), reconfigures it (`/admin/reconfigure`: weights stay loaded) and puts it back, then
-compares the canary with the other replicas over `canary_window_s` of live traffic (with one
-replica: the same engine in the same length of time before the change). `judge` decides:
+The gateway keeps every live request it served with the backend that served it (`Served`),
+and while an apply runs every attempt a remote replica made, failed or not (`Attempt`: a
+request that failed before its first byte and was retried elsewhere is one failed attempt
+here, though its client saw an answer); both in a bounded window. An apply (`Apply.run`)
+drains the canary (no new dispatch; its streams finish), reconfigures it
+(`/admin/reconfigure`: weights stay loaded) and puts it back with at most `canary_weight` of
+its model's requests (the pool's share limit; one replica takes all of them), then watches it
+against the other replicas (with one replica: the same engine in as long a time before the
+change).
+
+From the first request it serves, `sequential` runs Wald's sequential probability ratio test
+on three measures, after every failed attempt and every `TICK_S`:
+
+- errors: each attempt on the canary failed or not; H0: at the others' failure rate so far,
+  at least 1% (one replica: 1%);
+- p99 TTFT: each first token is over the old knobs' p99 TTFT or not; p99 ITL: each gap
+  between two tokens, pooled over the canary's requests, is over the old knobs' p99 ITL or
+  not. The old knobs' figures are a fixed reference, `REFERENCE` requests the replicas
+  served just before the change (a gateway that had not served as many: the others' first
+  ones after it), and H0 is the share of the reference's own outcomes over its p99 (Laplace's
+  rule of succession: a new value exceeds a p99 of n values more often than 1%). A reference
+  that moved with every look would give every look another chance of a false alarm.
+
+Each tests H0 against H1 "clearly worse": twice H0's share of bad outcomes and at least 20
+points more. alpha = 0.001 (rolling back a canary as good as the others) and beta = 0.05
+(missing one at H1), per measure: a log likelihood ratio reaching log((1 - beta) / alpha) =
+6.86 rolls the canary back at once; reaching log(beta / (1 - alpha)) = -3.00 ends that
+measure's test (not clearly worse: the window decides, and so it does for a canary that turns
+worse only later). Outcomes that end within `BURST_S` of each other on one replica count once,
+a bad one if any is: one engine step seen by several streams, whose figures move together (a
+single slow step would otherwise read as several independent misses).
+
+In seeded simulations (tests/gateway/test_canary.py: Poisson arrivals, lognormal TTFTs and
+gaps, a canary with 25% of the requests, 40 runs each): one failing every attempt is rolled
+back after 3 failures, one failing half of them after at most 3 (within 3 s), one whose
+TTFTs are 3x the others' within its first 18 requests, 3x gaps within its first 4; of 500
+runs of a canary as good as the others, 496 were promoted (1 rolled back by the sequential
+test, 3 by the window's share check).
+
+When `canary_window_s` ends with `min_requests` on both sides (or `max_wait_s` passes),
+`judge` decides on the whole window:
 
 - roll back when the canary's SLO attainment is lower with 95% confidence (a bootstrap over
-  requests), or its error rate is, or it serves clearly less than an even share of the good
-  requests (the gateway dispatches by free room, so knobs that take capacity away show as a
-  smaller share rather than as slower requests), or it burns the error budget faster than the
-  others: its burn rate (misses over the budget, the SRE workbook's) is over 1 and over twice
-  theirs;
+  requests), or its error rate is, or it serves clearly less than its share of the good
+  requests (the smaller of `canary_weight` and an even share: the gateway dispatches by free
+  room, so knobs that take capacity away show as a smaller share rather than as slower
+  requests), or it burns the error budget faster than the others: its burn rate (misses over
+  the budget, the SRE workbook's) is over 1 and over twice theirs;
 - promote otherwise ("at least as good within the confidence interval"), replica by replica;
 - roll back, too, when the window did not see `min_requests` on both sides: nothing was shown.
 
@@ -28,19 +64,33 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from protocol.measures import SLO, RequestTiming, attainment
+from protocol.measures import SLO, RequestTiming, attainment, percentile
+from protocol.serving import wait_event
 
 log = logging.getLogger("fairgate.gateway")
 MAX_SERVED = 200_000  # live requests kept for canary windows (a few minutes at high rate)
 RESAMPLES = 1000
 FAST_BURN = 2.0  # a canary burning budget this many times faster than the others (and >1)
-SHARE_TOLERANCE = 0.2  # a canary may serve this much less than an even share of good requests
+SHARE_TOLERANCE = 0.2  # a canary may serve this much less than its share of good requests
+MAX_CANARY_WEIGHT = 0.25  # the most of its model's requests a canary is sent
+# the sequential test (the module's docstring)
+ALPHA = 0.001
+BETA = 0.05
+WORSE = math.log((1 - BETA) / ALPHA)
+NOT_WORSE = math.log(BETA / (1 - ALPHA))
+FLOOR = 0.01  # H0's failure rate is at least this (the others' may be 0 so far)
+CLEARLY_WORSE = 0.2  # H1: at least this much more than H0 (and twice as much)
+BURST_S = 0.01  # outcomes this close count once: one engine step
+REFERENCE = 200  # requests of the old knobs whose p99s the canary's are compared with
+REFERENCE_AGE_S = 600.0  # ... served at most this long before the change
+MAX_EVENTS = 5000  # the canary's values a latency test looks at (it costs no more after)
+TICK_S = 0.25  # the sequential test runs this often, and after every failed attempt
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,26 +102,55 @@ class Served:
     timing: RequestTiming
 
 
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One try of a request on one remote replica, as the pool heard it end (outlier
+    detection's verdict: failed is a 5xx other than overload, no connection, a reset, a
+    timeout)."""
+
+    at: float  # monotonic
+    backend: str
+    failed: bool
+
+
+Timed = TypeVar("Timed", Served, Attempt)
+
+
 class ServedWindow:
-    """The live requests served lately, by backend: what a canary is judged on."""
+    """The live requests served lately, by backend, and the attempts heard while an apply
+    runs: what a canary is judged on. `failure` is set at each failed attempt."""
 
     def __init__(self, maxlen: int = MAX_SERVED) -> None:
         self.items: deque[Served] = deque(maxlen=maxlen)
+        self.attempts: deque[Attempt] = deque(maxlen=maxlen)
+        self.failure = asyncio.Event()
 
     def record(self, backend: str, tenant: str, slo: SLO, timing: RequestTiming) -> None:
         self.items.append(Served(time.monotonic(), backend, tenant, slo, timing))
 
+    def attempt(self, backend: str, failed: bool) -> None:
+        self.attempts.append(Attempt(time.monotonic(), backend, failed))
+        if failed:
+            self.failure.set()
+
     def between(self, start: float, end: float, backends: set[str]) -> list[Served]:
-        """Oldest first; only the part of the window at or after `start` is read (items are
-        appended in time order)."""
-        found = []
-        for s in reversed(self.items):
-            if s.at < start:
-                break
-            if s.at < end and s.backend in backends:
-                found.append(s)
-        found.reverse()
-        return found
+        return _between(self.items, start, end, backends)
+
+    def attempts_between(self, start: float, end: float, backends: set[str]) -> list[Attempt]:
+        return _between(self.attempts, start, end, backends)
+
+
+def _between(items: deque[Timed], start: float, end: float, backends: set[str]) -> list[Timed]:
+    """Oldest first; only the part of the window at or after `start` is read (items are
+    appended in time order)."""
+    found = []
+    for s in reversed(items):
+        if s.at < start:
+            break
+        if s.at < end and s.backend in backends:
+            found.append(s)
+    found.reverse()
+    return found
 
 
 def _met(s: Served) -> bool | None:
@@ -82,8 +161,9 @@ def _met(s: Served) -> bool | None:
     return s.timing.meets(s.slo)
 
 
-def _p99(values: list[float]) -> float | None:
-    return float(np.percentile(values, 99)) if values else None
+def _p99(values: Iterable[float]) -> float | None:
+    ordered = sorted(values)
+    return percentile(ordered, 99) if ordered else None
 
 
 def side(served: Sequence[Served]) -> dict[str, Any]:
@@ -104,11 +184,11 @@ def side(served: Sequence[Served]) -> dict[str, Any]:
             "slo_checked": len(checked), **attainment(met, len(checked), target),
             "tenants": {t: {"met": a, "requests": n, "fraction": a / n}
                         for t, (a, n) in sorted(tenants.items())},
-            "ttft_p99_s": _p99([t for s in served if (t := s.timing.ttft) is not None
-                                and s.timing.ok]),
-            "tpot_p99_s": _p99([t for s in served if (t := s.timing.tpot) is not None
-                                and s.timing.ok]),
-            "itl_p99_s": _p99([gap for s in served if s.timing.ok for gap in s.timing.itls]),
+            "ttft_p99_s": _p99(t for s in served if (t := s.timing.ttft) is not None
+                               and s.timing.ok),
+            "tpot_p99_s": _p99(t for s in served if (t := s.timing.tpot) is not None
+                               and s.timing.ok),
+            "itl_p99_s": _p99(gap for s in served if s.timing.ok for gap in s.timing.itls),
             "itl_attainment": _gap_attainment(served, target)}
 
 
@@ -123,6 +203,99 @@ def _gap_attainment(served: Sequence[Served], target: float) -> float | None:
     return attainment(met, gaps, target)["fraction"]
 
 
+# ---- the sequential test: a clearly worse canary rolled back within seconds ---------------------
+def sprt(bad: Iterable[bool], p0: float) -> dict[str, Any]:
+    """Wald's SPRT over outcomes in time order (True: bad) of H0 "P(bad) = p0" against H1
+    "P(bad) = p1", p1 twice p0 and at least CLEARLY_WORSE more (short of 1): `decision`
+    worse, not_worse (it stopped at a boundary) or undecided, with the figures."""
+    p1 = min(1 - (1 - p0) / 2, max(2 * p0, p0 + CLEARLY_WORSE))
+    up, down = math.log(p1 / p0), math.log((1 - p1) / (1 - p0))
+    llr, n, k, decision = 0.0, 0, 0, "undecided"
+    for outcome in bad:
+        n, k = n + 1, k + outcome
+        llr += up if outcome else down
+        if llr >= WORSE or llr <= NOT_WORSE:
+            decision = "worse" if llr >= WORSE else "not_worse"
+            break
+    return {"decision": decision, "observations": n, "bad": k, "p0": p0, "p1": p1,
+            "llr": llr, "bounds": [NOT_WORSE, WORSE]}
+
+
+def _bursts(events: Iterable[tuple[float, float]], limit: float) -> list[bool]:
+    """One backend's (time, value) events merged into bursts, each the events within BURST_S
+    of its first, in time order: whether each holds a value over `limit`."""
+    bursts: list[bool] = []
+    start = -math.inf
+    for at, value in sorted(events):
+        if at - start > BURST_S:
+            bursts.append(False)
+            start = at
+        bursts[-1] = bursts[-1] or value > limit
+    return bursts
+
+
+def _first_token(s: Served) -> list[tuple[float, float]]:
+    ttft = s.timing.ttft
+    return [(s.timing.token_times[0], ttft)] if s.timing.ok and ttft is not None else []
+
+
+def _gaps(s: Served) -> list[tuple[float, float]]:
+    """Each gap between two of the request's tokens, at the time it ended."""
+    return list(zip(s.timing.token_times[1:], s.timing.itls, strict=True)) if s.timing.ok else []
+
+
+def _latency_test(events: Callable[[Served], list[tuple[float, float]]],
+                  canary: Sequence[Served], reference: Sequence[Served]) -> dict[str, Any]:
+    """The canary's bursts over the reference's p99 against H0: as often as the reference's
+    own bursts (per backend) are over it (Laplace's rule of succession: a p99 of n values is
+    exceeded by a new one from the same distribution more often than 1%), at least FLOOR."""
+    values = sorted(v for s in reference for _, v in events(s))
+    if len(reference) < REFERENCE or not values:
+        return {"decision": "undecided", "observations": 0,
+                "note": f"a reference of {len(reference)} requests, {REFERENCE} wanted"}
+    limit = percentile(values, 99)
+    theirs = [b for name in {s.backend for s in reference}
+              for b in _bursts((e for s in reference if s.backend == name for e in events(s)),
+                               limit)]
+    p0 = max(FLOOR, (sum(theirs) + 1) / (len(theirs) + 2))
+    mine: list[tuple[float, float]] = []
+    for s in canary:  # a truncated SPRT: undecided after MAX_EVENTS, the window decides
+        if len(mine) >= MAX_EVENTS:
+            break
+        mine.extend(events(s))
+    return {"limit_s": limit, **sprt(_bursts(mine, limit), p0)}
+
+
+def sequential(canary: Sequence[Served], reference: Sequence[Served],
+               canary_attempts: Sequence[Attempt],
+               baseline_attempts: Sequence[Attempt]) -> dict[str, Any]:
+    """The sequential tests of the canary so far: its attempts' failures against the
+    others' failure rate (at least FLOOR), its first tokens and its gaps (pooled over its
+    requests) over the p99 TTFT and ITL of `reference`, fixed requests of the old knobs (a
+    reference that moved would make every look another chance of a false alarm): `verdict`
+    roll_back when one says worse, else continue; `tests`, each one's figures."""
+    failed = sum(a.failed for a in baseline_attempts)
+    tests = {"errors": sprt((a.failed for a in canary_attempts),
+                            max(FLOOR, failed / max(1, len(baseline_attempts)))),
+             "ttft_p99": _latency_test(_first_token, canary, reference),
+             "itl_p99": _latency_test(_gaps, canary, reference)}
+    worse = next((name for name, t in tests.items() if t["decision"] == "worse"), None)
+    if worse is None:
+        return {"verdict": "continue", "tests": tests}
+    t = tests[worse]
+    if worse == "errors":
+        what = (f"{t['bad']} of {t['observations']} attempts failed where the others fail "
+                f"{t['p0']:.1%} (at least {FLOOR:.0%})")
+    else:
+        measure, unit = ("TTFT", "first tokens") if worse == "ttft_p99" else ("ITL", "gaps")
+        what = (f"{t['bad']} of {t['observations']} bursts of {unit} over the old knobs' p99 "
+                f"{measure} ({t['limit_s'] * 1000:.0f} ms) where they had {t['p0']:.1%}")
+    return {"verdict": "roll_back", "tests": tests, "measure": worse,
+            "reason": f"{what}: clearly worse (Wald's SPRT, log likelihood ratio "
+                      f"{t['llr']:.2f} >= {WORSE:.2f})"}
+
+
+# ---- the window's judgement ---------------------------------------------------------------------
 def _difference(a: Sequence[bool], b: Sequence[bool], seed: int) -> dict[str, Any]:
     """The difference of two proportions (a's share of True minus b's) with a 95% bootstrap
     interval, each side resampled on its own: a resample of n yes/no outcomes is a binomial
@@ -137,25 +310,24 @@ def _difference(a: Sequence[bool], b: Sequence[bool], seed: int) -> dict[str, An
     return {"difference": pa - pb, "ci95": [float(low), float(high)]}
 
 
-def _share(canary: int, baseline: int, replicas: int) -> dict[str, Any]:
-    """The canary's share of the good requests against an even share among `replicas` + 1
-    engines; `low`: below it by more than SHARE_TOLERANCE, with 95% confidence (a normal
-    approximation to the binomial: equal engines split good requests evenly)."""
+def _share(canary: int, baseline: int, expected: float) -> dict[str, Any]:
+    """The canary's share of the good requests against `expected`; `low`: below it by more
+    than SHARE_TOLERANCE, with 95% confidence (a normal approximation to the binomial)."""
     n = canary + baseline
-    even = 1.0 / (replicas + 1)
     if n == 0:
-        return {"share": None, "even": even, "low": False}
+        return {"share": None, "even": expected, "low": False}
     share = canary / n
-    z = (share - even) / math.sqrt(even * (1 - even) / n)
-    return {"share": share, "even": even, "z": z,
-            "low": bool(z < -1.96 and share < (1 - SHARE_TOLERANCE) * even)}
+    z = (share - expected) / math.sqrt(expected * (1 - expected) / n)
+    return {"share": share, "even": expected, "z": z,
+            "low": bool(z < -1.96 and share < (1 - SHARE_TOLERANCE) * expected)}
 
 
 def judge(canary: Sequence[Served], baseline: Sequence[Served], min_requests: int,
-          seed: int = 0, replicas: int = 1, compare_share: bool = True) -> dict[str, Any]:
+          seed: int = 0, share: float = 0.5, compare_share: bool = True) -> dict[str, Any]:
     """The verdict (`promote` or `roll_back`), why, and the figures of both sides; `baseline`
-    is what `replicas` engines served over the same span (`compare_share`), or one engine over
-    as long a time before the change (then traffic volume says nothing of the knobs)."""
+    is what the other engines served over the same span (`compare_share`: the canary should
+    serve `share` of the good requests), or one engine over as long a time before the change
+    (then traffic volume says nothing of the knobs)."""
     figures = {"canary": side(canary), "baseline": side(baseline)}
     met_c = [m for s in canary if (m := _met(s)) is not None]
     met_b = [m for s in baseline if (m := _met(s)) is not None]
@@ -192,11 +364,11 @@ def judge(canary: Sequence[Served], baseline: Sequence[Served], min_requests: in
                           "higher with 95% confidence"}
     good_c = sum(1 for s in canary if _met(s) is not False and s.timing.ok)
     good_b = sum(1 for s in baseline if _met(s) is not False and s.timing.ok)
-    figures["good_share"] = _share(good_c, good_b, replicas)
+    figures["good_share"] = _share(good_c, good_b, share)
     if compare_share and figures["good_share"]["low"]:
         return {"verdict": "roll_back", "figures": figures,
                 "reason": f"serves {figures['good_share']['share']:.0%} of the good requests "
-                          f"where an even share is {figures['good_share']['even']:.0%}: its "
+                          f"where its share is {figures['good_share']['even']:.0%}: its "
                           "knobs take capacity away"}
     burn_c, burn_b = c["burn_rate"], b["burn_rate"]
     if burn_c is not None and burn_c > 1 and burn_c > FAST_BURN * (burn_b or 0.0):
@@ -212,9 +384,20 @@ def _f(fraction: float | None) -> str:
     return "n/a" if fraction is None else f"{fraction:.3f}"
 
 
+def default_canary_weight(replicas: int) -> float:
+    """The share of its model's requests a canary is sent unless told: an even share among
+    `replicas` (the canary among them), at most MAX_CANARY_WEIGHT."""
+    return min(1.0 / max(1, replicas), MAX_CANARY_WEIGHT)
+
+
 # ---- the procedure --------------------------------------------------------------------------------
 Reconfigure = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 Record = Callable[[dict[str, Any]], Awaitable[None]]
+LimitShare = Callable[[str, "float | None"], None]
+
+
+def _no_limit(backend: str, share: float | None) -> None:
+    pass
 
 
 @dataclass
@@ -227,24 +410,30 @@ class ApplyPlan:
     canary_window_s: float
     min_requests: int
     max_wait_s: float  # how long the window may grow to see min_requests
+    canary_weight: float = MAX_CANARY_WEIGHT  # the most of its model's requests it is sent
 
 
 class Apply:
-    """One apply, run as a task: its record is what the job shows."""
+    """One apply, run as a task: its record is what the job shows. `limit_share(name,
+    share)` bounds the share of its model's requests the gateway sends `name` (None: lifts
+    it)."""
 
     def __init__(self, plan: ApplyPlan, window: ServedWindow, drain: Callable[[str], Any],
                  undrain: Callable[[str], None], reconfigure: Reconfigure,
-                 record: Record, clock: Callable[[], float] = time.monotonic) -> None:
+                 record: Record, *, limit_share: LimitShare = _no_limit,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.plan = plan
         self.window = window
         self.drain, self.undrain = drain, undrain
         self.reconfigure = reconfigure
+        self.limit_share = limit_share
         self.persist = record
         self.clock = clock
         self.record: dict[str, Any] = {
             "state": "applying", "backend": plan.canary, "config": plan.config,
             "previous": plan.previous, "canary_window_s": plan.canary_window_s,
-            "min_requests": plan.min_requests, "switched": [], "steps": []}
+            "min_requests": plan.min_requests, "canary_weight": plan.canary_weight,
+            "switched": [], "steps": []}
         self.switched: list[str] = []  # replicas on the new knobs, in order
 
     async def step(self, state: str, step: str, **detail: Any) -> None:
@@ -253,9 +442,10 @@ class Apply:
         log.info("tune job %s apply: %s (%s)", self.plan.job_id, step, state)
         await self.persist(self.record)
 
-    async def _switch(self, backend: str, knobs: dict[str, Any]) -> None:
+    async def _switch(self, backend: str, knobs: dict[str, Any],
+                      share: float | None = None) -> None:
         """Drain `backend` (its streams finish, nothing new goes to it), reconfigure it, put it
-        back."""
+        back (with at most `share` of the requests)."""
         forward = knobs is self.plan.config
         if forward and backend not in self.switched:
             # before the call: one cut short may still have landed, and going back is safe
@@ -265,6 +455,7 @@ class Apply:
         await self.drain(backend)
         try:
             await self.reconfigure(backend, knobs)
+            self.limit_share(backend, share)
         finally:
             self.undrain(backend)
         if not forward and backend in self.switched:
@@ -274,23 +465,7 @@ class Apply:
     async def run(self) -> dict[str, Any]:
         plan = self.plan
         try:
-            before = self.clock()
-            await self.step("applying", f"draining and reconfiguring {plan.canary}",
-                            knobs=plan.config)
-            await self._switch(plan.canary, plan.config)
-            applied = self.clock()
-            await self.step("canary", f"{plan.canary} runs the new knobs; watching live "
-                            f"traffic for {plan.canary_window_s:g} s")
-            verdict = await self._watch(before, applied)
-            await self.step("canary", f"verdict: {verdict['verdict']}: {verdict['reason']}",
-                            figures=verdict["figures"], verdict=verdict["verdict"])
-            if verdict["verdict"] == "promote":
-                for backend in plan.others:
-                    await self.step("promoting", f"draining and reconfiguring {backend}")
-                    await self._switch(backend, plan.config)
-                await self.step("promoted", "every replica runs the new knobs")
-            else:
-                await self._roll_back()
+            await self._canary()
         except asyncio.CancelledError:  # the gateway stops: the knobs go back first
             with contextlib.suppress(Exception):
                 await self._roll_back()
@@ -303,29 +478,79 @@ class Apply:
                 await self._final("failed", f"stopped: {exc}; the rollback failed too: {again}")
             else:
                 await self._final("failed", f"stopped: {exc}; every replica was put back")
+        finally:
+            self.limit_share(plan.canary, None)
         return self.record
+
+    async def _canary(self) -> None:
+        plan = self.plan
+        before = self.clock()
+        await self.step("applying", f"draining and reconfiguring {plan.canary}",
+                        knobs=plan.config)
+        await self._switch(plan.canary, plan.config, plan.canary_weight)
+        applied = self.clock()
+        await self.step("canary", f"{plan.canary} runs the new knobs with at most "
+                        f"{plan.canary_weight:.0%} of the requests; watching live traffic for "
+                        f"{plan.canary_window_s:g} s")
+        verdict = await self._watch(before, applied)
+        await self.step("canary", f"verdict: {verdict['verdict']}: {verdict['reason']}",
+                        figures=verdict["figures"], verdict=verdict["verdict"],
+                        after_s=round(self.clock() - applied, 3))
+        if verdict["verdict"] != "promote":
+            await self._roll_back()
+            return
+        self.limit_share(plan.canary, None)
+        for backend in plan.others:
+            await self.step("promoting", f"draining and reconfiguring {backend}")
+            await self._switch(backend, plan.config)
+        await self.step("promoted", "every replica runs the new knobs")
 
     async def _final(self, state: str, step: str) -> None:
         with contextlib.suppress(Exception):  # the database may be what broke
             await self.step(state, step)
 
+    def _sides(self, before: float, applied: float,
+               now: float) -> tuple[list[Served], list[Served], list[Attempt], list[Attempt]]:
+        """The canary's requests and attempts since the change, and the baseline's: the
+        others' over the same span, or (one engine) its own in as long a time before it."""
+        plan, window = self.plan, self.window
+        mine = {plan.canary}
+        if plan.others:
+            start, end, theirs = applied, now, set(plan.others)
+        else:
+            start, end, theirs = before - max(now - applied, plan.canary_window_s), before, mine
+        return (window.between(applied, now, mine), window.between(start, end, theirs),
+                window.attempts_between(applied, now, mine),
+                window.attempts_between(start, end, theirs))
+
     async def _watch(self, before: float, applied: float) -> dict[str, Any]:
+        """The sequential tests after every failed attempt and every TICK_S, until one rolls
+        the canary back or the window's judgement is due."""
         plan = self.plan
         deadline = applied + max(plan.canary_window_s, plan.max_wait_s)
+        share = min(plan.canary_weight, 1.0 / (len(plan.others) + 1))
+        tick = min(TICK_S, max(0.01, plan.canary_window_s / 20))
+        # the old knobs' last REFERENCE requests; a gateway that had not served as many: the
+        # others' first ones after the change
+        old = self.window.between(before - REFERENCE_AGE_S, before,
+                                  {plan.canary, *plan.others})[-REFERENCE:]
         while True:
+            self.window.failure.clear()
             now = self.clock()
-            elapsed = now - applied
-            canary = self.window.between(applied, now, {plan.canary})
-            if plan.others:
-                baseline = self.window.between(applied, now, set(plan.others))
-            else:  # one engine: itself, in as long a time before the change
-                baseline = self.window.between(before - max(elapsed, plan.canary_window_s),
-                                               before, {plan.canary})
+            canary, baseline, tried, others_tried = self._sides(before, applied, now)
+            reference = old if len(old) == REFERENCE or not plan.others else baseline[:REFERENCE]
+            early = await asyncio.to_thread(sequential, canary, reference, tried, others_tried)
+            if early["verdict"] == "roll_back":
+                return {"verdict": "roll_back", "reason": early["reason"], "figures": {
+                    "canary": side(canary), "baseline": side(baseline),
+                    "sequential": early["tests"], "decided_by": early["measure"]}}
             enough = len(canary) >= plan.min_requests and len(baseline) >= plan.min_requests
-            if (elapsed >= plan.canary_window_s and enough) or now >= deadline:
-                return await asyncio.to_thread(judge, canary, baseline, plan.min_requests, 0,
-                                               max(1, len(plan.others)), bool(plan.others))
-            await asyncio.sleep(min(1.0, max(0.01, plan.canary_window_s / 20)))
+            if (now - applied >= plan.canary_window_s and enough) or now >= deadline:
+                verdict = await asyncio.to_thread(judge, canary, baseline, plan.min_requests,
+                                                  0, share, bool(plan.others))
+                verdict["figures"]["sequential"] = early["tests"]
+                return verdict
+            await wait_event(self.window.failure, tick)
 
     async def _roll_back(self) -> None:
         """Every replica that got the new knobs goes back to its own, the last one first."""

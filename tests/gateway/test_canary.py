@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import json
+import math
+import random
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,7 +21,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.canary import Apply, ApplyPlan, Served, ServedWindow, judge, side
+from gateway.canary import (
+    REFERENCE,
+    TICK_S,
+    WORSE,
+    Apply,
+    ApplyPlan,
+    Attempt,
+    Served,
+    ServedWindow,
+    judge,
+    sequential,
+    side,
+    sprt,
+)
 from protocol.measures import SLO, RequestTiming
 from tests.gateway.helpers import collect, completion, start_gateway
 from tests.support.processes import fairgate_engine
@@ -112,7 +129,7 @@ async def test_a_better_config_is_promoted_and_a_worse_one_rolled_back(
             # than an even share of the good requests
             assert verdict["verdict"] == "roll_back" and "capacity" in verdict["step"]
             share = verdict["figures"]["good_share"]
-            assert share["share"] < share["even"] / 2
+            assert share["low"] and share["share"] < share["even"]
             steps = [s["step"] for s in rolled["steps"]]
             assert any(s.startswith("putting") for s in steps)
         assert statuses and set(statuses) == {200}  # live traffic never failed through it
@@ -196,7 +213,7 @@ def test_a_canary_burning_budget_fast_is_rolled_back(burn: bool) -> None:
 
 def test_judge_rolls_back_a_canary_that_takes_capacity_away() -> None:
     """Every request it served was good, but it served a fifth of what the other did."""
-    verdict = judge(_served([0.05] * 20), _served([0.05] * 100), 10, replicas=1)
+    verdict = judge(_served([0.05] * 20), _served([0.05] * 100), 10, share=0.5)
     assert verdict["verdict"] == "roll_back" and "capacity" in verdict["reason"]
     assert judge(_served([0.05] * 90), _served([0.05] * 100), 10)["verdict"] == "promote"
 
@@ -212,7 +229,7 @@ async def test_one_engine_is_judged_against_its_own_window_before_the_change() -
         ttft = 0.05 if i % 2 else 0.3
         window.items.append(Served(100.0 + i, "e", "acme", SLO_,
                                    RequestTiming(0.0, [ttft, ttft + 0.01], 2, ttft + 0.01)))
-    clock = iter([100.0, 100.0, 160.0])
+    clock = itertools.chain([100.0, 100.0], itertools.repeat(160.0))
     calls: list[tuple[str, dict[str, Any]]] = []
 
     async def switch(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
@@ -262,3 +279,172 @@ def test_judge_says_so_when_a_side_had_no_slo_to_check() -> None:
               for i in range(30)]
     verdict = judge(_served([0.05] * 30), no_slo, 20)
     assert verdict["verdict"] == "promote" and "n/a" in verdict["reason"]
+
+
+# ---- the sequential test ---------------------------------------------------------------------
+LOOSE = SLO(ttft_s=1.0, tpot_s=0.2)  # every simulated request meets it: the window judges share
+
+
+@dataclasses.dataclass
+class Simulated:
+    """Seeded traffic around a change at t = 0: before it the canary and a stable replica
+    share the requests evenly on the old knobs; after it the canary gets `weight` of them.
+    Poisson arrivals, lognormal TTFTs (median 50 ms) and gaps (median 20 ms), 16 tokens; a
+    canary attempt that fails is retried on the stable replica, as the gateway does."""
+
+    reference: list[Served]  # the old knobs' last REFERENCE requests
+    served: list[Served]  # after the change, in the order they ended
+    attempts: list[Attempt]
+
+
+def simulate(seed: int, *, error: float = 0.0, ttft: float = 1.0, itl: float = 1.0,
+             rate: float = 20.0, weight: float = 0.25, window_s: float = 30.0) -> Simulated:
+    rng = random.Random(seed)
+    served, attempts = [], []
+    t = -window_s
+    while (t := t + rng.expovariate(rate)) < window_s:
+        name = "canary" if rng.random() < (weight if t >= 0 else 0.5) else "stable"
+        new = name == "canary" and t >= 0
+        if new and rng.random() < error:
+            attempts.append(Attempt(t + 0.002, "canary", True))
+            name, new = "stable", False
+        times = [t + 0.05 * rng.lognormvariate(0, 0.5) * (ttft if new else 1.0)]
+        for _ in range(15):
+            times.append(times[-1] + 0.02 * rng.lognormvariate(0, 0.3) * (itl if new else 1.0))
+        end = times[-1] + 0.001
+        if name == "canary" and t < 0 <= end:
+            continue  # the canary is drained before the change: its streams end before it
+        attempts.append(Attempt(end, name, False))
+        served.append(Served(end, name, "acme", LOOSE, RequestTiming(t, times, 16, end)))
+    served.sort(key=lambda s: s.at)
+    attempts.sort(key=lambda a: a.at)
+    return Simulated([s for s in served if s.at < 0][-REFERENCE:],
+                     [s for s in served if s.at >= 0], [a for a in attempts if a.at >= 0])
+
+
+def watch(sim: Simulated, window_s: float = 30.0, min_requests: int = 20) -> dict[str, Any]:
+    """What an apply decides over `sim`, looking as `Apply` does: after every failed attempt
+    and every TICK_S, the window's judgement at its end. With `at`, when, and `failures` and
+    `attempts`, the canary's until then."""
+    looks = sorted({TICK_S * i for i in range(1, int(window_s / TICK_S) + 1)}
+                   | {a.at for a in sim.attempts if a.failed})
+    for now in looks:
+        canary = [s for s in sim.served if s.at <= now and s.backend == "canary"]
+        tried = [a for a in sim.attempts if a.at <= now and a.backend == "canary"]
+        others = [a for a in sim.attempts if a.at <= now and a.backend == "stable"]
+        early = sequential(canary, sim.reference, tried, others)
+        if early["verdict"] == "roll_back":
+            return {**early, "at": now, "failures": sum(a.failed for a in tried),
+                    "attempts": len(tried)}
+    verdict = judge([s for s in sim.served if s.backend == "canary"],
+                    [s for s in sim.served if s.backend == "stable"], min_requests, share=0.25)
+    return {**verdict, "at": window_s, "measure": "window"}
+
+
+def test_sprt_crosses_walds_boundaries() -> None:
+    """p0 = 1%, p1 = 21%: each bad outcome adds log 21 = 3.04, each good one
+    log(0.79 / 0.99) = -0.23; the boundaries are log(0.95 / 0.001) and log(0.05 / 0.999)."""
+    assert round(WORSE, 3) == 6.856
+    assert sprt([True] * 3, 0.01)["decision"] == "worse"
+    two = sprt([True, True], 0.01)
+    assert two["decision"] == "undecided" and two["llr"] == pytest.approx(2 * math.log(21))
+    good = sprt([False] * 100, 0.01)
+    assert good["decision"] == "not_worse" and good["observations"] == 14
+    assert sprt([False] * 13, 0.01)["decision"] == "undecided"
+    assert sprt([], 0.01)["p1"] == pytest.approx(0.21)
+    assert sprt([], 0.3)["p1"] == pytest.approx(0.6)  # twice p0 once that is more
+    assert sprt([], 0.8)["p1"] == pytest.approx(0.9)  # short of 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_canary_failing_half_its_attempts_is_rolled_back_after_at_most_5_failures(
+        seed: int) -> None:
+    verdict = watch(simulate(seed, error=0.5))
+    assert verdict["verdict"] == "roll_back" and verdict["measure"] == "errors", verdict
+    assert verdict["failures"] <= 5 and verdict["at"] < 5.0, verdict
+    errors = verdict["tests"]["errors"]
+    assert errors["llr"] >= WORSE and errors["p0"] == 0.01  # the stable replica never failed
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_canary_with_three_times_the_ttft_is_rolled_back_within_its_first_40_requests(
+        seed: int) -> None:
+    verdict = watch(simulate(seed, ttft=3.0))
+    assert verdict["verdict"] == "roll_back" and verdict["measure"] == "ttft_p99", verdict
+    assert verdict["attempts"] <= 40, verdict
+    assert "first tokens over the old knobs' p99 TTFT" in verdict["reason"]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_canary_with_three_times_the_gaps_is_rolled_back_on_pooled_itl(seed: int) -> None:
+    verdict = watch(simulate(seed, itl=3.0))
+    assert verdict["verdict"] == "roll_back" and verdict["measure"] == "itl_p99", verdict
+    assert verdict["attempts"] <= 10, verdict
+
+
+def test_a_canary_as_good_as_the_others_is_promoted_in_20_of_20_runs() -> None:
+    verdicts = [watch(simulate(seed)) for seed in range(20)]
+    assert [v["verdict"] for v in verdicts] == ["promote"] * 20, [
+        v["reason"] for v in verdicts if v["verdict"] != "promote"]
+
+
+def test_one_slow_step_seen_by_every_stream_is_one_miss() -> None:
+    """Eight streams on the canary stall on the same engine step: eight gaps over the p99,
+    one burst, no rollback. Eight stalls on eight steps are eight misses: rolled back."""
+    reference = simulate(0).reference
+
+    def stalls(apart: float) -> list[Served]:
+        return [Served(1.0 + o, "canary", "acme", LOOSE, RequestTiming(
+            o, [o + 0.05, o + 0.07, o + 0.57, o + 0.59], 4, o + 0.6))
+            for o in (i * apart for i in range(8))]
+
+    together = sequential(stalls(0.0), reference, [], [])
+    assert together["verdict"] == "continue", together["tests"]["itl_p99"]
+    assert together["tests"]["itl_p99"]["bad"] == 1
+    apart = sequential(stalls(0.1), reference, [], [])
+    assert apart["verdict"] == "roll_back" and apart["measure"] == "itl_p99"
+
+
+async def test_an_apply_rolls_a_failing_canary_back_long_before_its_window_ends() -> None:
+    """A 60 s window; the canary fails its first three attempts while the other replica
+    answers: rolled back at once, the errors test's figures in the verdict, and its share
+    limit set before it took requests again and lifted when it went back."""
+    window = ServedWindow()
+    events: list[tuple[Any, ...]] = []
+
+    async def switch(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
+        events.append(("reconfigure", name, knobs))
+        return knobs
+
+    async def persist(record: dict[str, Any]) -> None:
+        pass
+
+    async def drain(name: str) -> None:
+        pass
+
+    plan = ApplyPlan("job-1", "c", ["s"], {"max_num_seqs": 1}, {"c": {"max_num_seqs": 16},
+                     "s": {"max_num_seqs": 16}}, canary_window_s=60, min_requests=10,
+                     max_wait_s=60, canary_weight=0.2)
+    run = Apply(plan, window, drain, lambda name: events.append(("undrain", name)), switch,
+                persist, limit_share=lambda name, share: events.append(("share", name, share)))
+    task = asyncio.create_task(run.run())
+
+    async def watching() -> bool:
+        return run.record["state"] == "canary" and len(run.record["steps"]) == 2
+
+    await wait_until(watching, 10, "the canary is watched")
+    for _ in range(10):
+        window.attempt("s", failed=False)
+    for _ in range(3):
+        window.attempt("c", failed=True)
+    record = await asyncio.wait_for(task, 10)
+    assert record["state"] == "rolled_back" and record["canary_weight"] == 0.2
+    verdict = next(s for s in record["steps"] if "verdict" in s)
+    assert verdict["verdict"] == "roll_back" and verdict["after_s"] < 5
+    assert verdict["figures"]["decided_by"] == "errors"
+    errors = verdict["figures"]["sequential"]["errors"]
+    assert errors["bad"] == errors["observations"] == 3 and errors["decision"] == "worse"
+    assert "3 of 3 attempts failed" in verdict["step"]
+    assert events == [("reconfigure", "c", {"max_num_seqs": 1}), ("share", "c", 0.2),
+                      ("undrain", "c"), ("reconfigure", "c", {"max_num_seqs": 16}),
+                      ("share", "c", None), ("undrain", "c"), ("share", "c", None)]
