@@ -147,7 +147,8 @@ def _pool(settings: GatewayConfig, engine: EngineConfig, backends: list[Backend]
     """The backends: `backends` (tests), or the configured ones (a `discover: dns` entry is
     a group of them, one per address), or the embedded engine."""
     if backends:
-        return BackendPool(backends, headroom=settings.dispatch_headroom)
+        return BackendPool(backends, headroom=settings.dispatch_headroom,
+                           outlier_detection=settings.outlier_detection)
     if not settings.backends:
         from engine.async_engine import AsyncEngine  # torch is imported only when embedded
 
@@ -166,7 +167,8 @@ def _pool(settings: GatewayConfig, engine: EngineConfig, backends: list[Backend]
 
     groups = [DnsGroup(b, remote) for b in settings.backends if b.discover == "dns"]
     pool = BackendPool([remote(b) for b in settings.backends if b.discover is None],
-                       headroom=settings.dispatch_headroom, groups=groups)
+                       headroom=settings.dispatch_headroom, groups=groups,
+                       outlier_detection=settings.outlier_detection)
     for group in groups:
         group.pool = pool
     return pool
@@ -303,14 +305,30 @@ def _database_check(auth: Authenticator, reason: str | None) -> dict[str, Any]:
             f"{auth.outage_grace_s:g} s keep working, unknown keys get 503 until it answers"}
 
 
+def _backends_check(pool: BackendPool) -> dict[str, Any]:
+    """Ok while a backend can serve (reachable, not ejected); per model, its replicas and how
+    many are ejected. A model with some ejected is degraded (still ok), one with none left that
+    can serve is not ready."""
+    models = pool.replica_counts()
+    notes = [f"model {m}: no replica can serve (down or ejected)" for m, c in models.items()
+             if not c["available"]]
+    notes += [f"degraded: model {m}: {c['ejected']} of {c['replicas']} replicas ejected"
+              for m, c in models.items() if c["available"] and c["ejected"]]
+    ok = any(pool.available(b) for b in pool.backends)
+    if not pool.healthy:
+        notes.insert(0, "no engine backend is reachable")
+    return {"ok": ok, "models": models, **({"detail": "; ".join(notes)} if notes else {})}
+
+
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when a backend is reachable, with what is wrong when not. The tenant database
-    away is a degraded state, reported but not a reason to be unready: keys seen lately keep
-    working (gateway/auth.py), and failing every replica's pod would fail every tenant."""
-    backends = request.app[GATEWAY].pool.healthy
+    """Ready when a backend is reachable and not ejected, with what is wrong when not. The
+    tenant database away is a degraded state, reported but not a reason to be unready: keys
+    seen lately keep working (gateway/auth.py), and failing every replica's pod would fail
+    every tenant; so are ejected replicas while another serves their model."""
+    backends_check = _backends_check(request.app[GATEWAY].pool)
+    backends = backends_check["ok"]
     auth = request.app[AUTH]
-    checks = {"backends": {"ok": backends} if backends else
-              {"ok": False, "detail": "no engine backend is reachable"},
+    checks = {"backends": backends_check,
               "database": _database_check(auth, await auth.database_ready()),
               # reported, not a reason to be unready: without Redis, limits are local
               "shared_state": _shared_state(request.app[GATEWAY])}

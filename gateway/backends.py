@@ -7,8 +7,11 @@ other gateways' requests on it), how loaded is it (`outstanding_tokens`: its que
 work, what least-loaded routing weighs), and run this job (`stream` / `complete`). Both kinds
 emit OpenAI bytes; the proxy never reformats them.
 
-A backend that breaks before any byte of an answer reached the client (`BackendFailed`: the
-connection refused, reset or hung up) lets the proxy hand the request to another replica, once.
+A backend that fails before any byte of an answer reached the client (`BackendFailed`: the
+connection refused, reset or hung up, or a 5xx that is not overload) lets the proxy hand the
+request to another replica, once, within the retry budget (gateway/dispatch.py). Each remote
+backend tells the pool how every request ended, and the pool ejects a replica that keeps failing
+(gateway/outlier.py): ejected, it takes no new requests until its ejection ends.
 
 A remote backend that stops answering (a hung or SIGSTOPped engine) fails its requests with 504
 `backend_timeout`: a stream that has no first token within `first_byte_timeout_s` or then goes
@@ -41,7 +44,13 @@ from urllib.parse import urlsplit
 
 from engine.request import SamplingParams
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from gateway.config import DEFAULT_FIRST_BYTE_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, BackendConfig
+from gateway.config import (
+    DEFAULT_FIRST_BYTE_TIMEOUT_S,
+    DEFAULT_STALL_TIMEOUT_S,
+    BackendConfig,
+    OutlierDetectionConfig,
+)
+from gateway.outlier import OutlierDetector, Verdict
 from gateway.upstream import (
     Response,
     UpstreamConnectError,
@@ -73,11 +82,28 @@ class BackendUnavailable(Exception):
 
 class BackendFailed(BackendUnavailable):
     """The backend broke (connection refused, reset or cut) rather than refusing the request:
-    while the client has seen no byte of the answer, another replica may take it (once)."""
+    while the client has seen no byte of the answer, another replica may take it (once).
+    `reason`: the retry's label in fairgate_gateway_retries_total."""
+
+    reason = "reset"
 
 
 class BackendUnreachable(BackendFailed):
     """No connection to the backend could be made: nothing was sent."""
+
+    reason = "connect_failure"
+
+
+class BackendErrored(BackendFailed, ApiError):
+    """The backend answered a 5xx that is not overload: another replica may take the request,
+    and when none does, the client gets 502 `bad_gateway` with the engine's message."""
+
+    reason = "5xx"
+    retry_after: float
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        ApiError.__init__(self, 502, message, code="bad_gateway")
+        self.retry_after = retry_after
 
 
 RECENT_HORIZON_S = 0.05  # an embedded or OpenAI backend: dispatched work not yet started
@@ -298,9 +324,11 @@ class RemoteBackend:
                  retry_after: float = 5.0, slack: int = 4,
                  on_change: Callable[[], None] | None = None,
                  first_byte_timeout: float = DEFAULT_FIRST_BYTE_TIMEOUT_S,
-                 stall_timeout: float = DEFAULT_STALL_TIMEOUT_S) -> None:
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
+                 on_result: Callable[[Backend, Verdict], None] | None = None) -> None:
         """`first_byte_timeout`, `stall_timeout`: the gateway's defaults; the backend's own
-        config entry wins."""
+        config entry wins. `on_result`: told how each request ended (a pool sets it to its
+        outlier detection when none is given)."""
         self.config = config
         self.name = config.base_url
         self.model_name = config.model or ""
@@ -316,6 +344,7 @@ class RemoteBackend:
         self.retry_after = retry_after
         self.slack = slack
         self.on_change = on_change
+        self.on_result = on_result
         self.first_byte_timeout = _own_or(config.first_byte_timeout_s, first_byte_timeout)
         self.stall_timeout = _own_or(config.stall_timeout_s, stall_timeout)
         self.tokenizer: Tokenizer | None = HFTokenizer(tokenizer_file) if tokenizer_file else None
@@ -498,8 +527,28 @@ class RemoteBackend:
         finally:
             self._own_tokens -= cost
 
+    @contextlib.contextmanager
+    def _judged(self) -> Iterator[None]:
+        """Tell `on_result` how the request ended: failed (a 5xx that is not overload, no
+        connection, a reset, a timeout) or OK (an answer, or a 4xx: the client's mistake).
+        Overload and a client that left (GeneratorExit, cancellation) tell nothing."""
+        try:
+            yield
+        except BackendUnavailable as exc:
+            if isinstance(exc, BackendFailed):
+                self._report(Verdict.FAILED)
+            raise
+        except ApiError as exc:
+            self._report(Verdict.FAILED if exc.status >= 500 else Verdict.OK)
+            raise
+        self._report(Verdict.OK)
+
+    def _report(self, verdict: Verdict) -> None:
+        if self.on_result is not None:
+            self.on_result(self, verdict)
+
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
-        with self._working(job):
+        with self._working(job), self._judged():
             # closed with this one, so the upstream connection is shut before aclose returns
             async with contextlib.aclosing(self._stream(job, outcome)) as inner:
                 async for chunk in inner:
@@ -525,7 +574,7 @@ class RemoteBackend:
             resp.close()
 
     async def complete(self, job: Job, outcome: Outcome) -> bytes:
-        with self._working(job):
+        with self._working(job), self._judged():
             return await self._complete(job, outcome)
 
     async def _complete(self, job: Job, outcome: Outcome) -> bytes:
@@ -619,7 +668,8 @@ def _plain_token(data: bytes, asked_for_usage: bool) -> bool:
 
 
 async def _upstream_error(resp: Response, retry_after: float) -> Exception:
-    """An engine's error, kept in OpenAI's shape; overload becomes 503 with Retry-After."""
+    """An engine's error, kept in OpenAI's shape; overload becomes 503 with Retry-After, another
+    5xx a failure another replica may retry."""
     raw = await resp.read()
     try:
         err = json.loads(raw).get("error") or {}
@@ -631,7 +681,8 @@ async def _upstream_error(resp: Response, retry_after: float) -> Exception:
         wait = float(header) if header.replace(".", "", 1).isdigit() else retry_after
         return BackendUnavailable(f"engine backend overloaded: {message}", wait)
     if resp.status >= 500:
-        return ApiError(502, f"engine backend error: {message}", code="bad_gateway")
+        return BackendErrored(f"engine backend error (HTTP {resp.status}): {message}",
+                              retry_after)
     return ApiError(resp.status, message, code=err.get("code"), param=err.get("param"))
 
 
@@ -685,7 +736,7 @@ class DnsGroup:
                 backend = self.make(dataclasses.replace(self.config, url=self.url_for(address),
                                                         discover=None))
                 await backend.start()
-                self.pool.backends.append(backend)
+                self.pool.add(backend)
                 log.info("discovered %s behind %s", backend.name, self.host)
             self.pool.draining.discard(backend.name)
             self.members[address] = backend
@@ -697,7 +748,7 @@ class DnsGroup:
         for address, backend in list(self.leaving.items()):
             if backend.inflight == 0:
                 del self.leaving[address]
-                self.pool.backends.remove(backend)
+                self.pool.remove(backend)
                 self.pool.draining.discard(backend.name)
                 await backend.close()
 
@@ -748,15 +799,20 @@ def _ring_point(key: int, name: str) -> int:
 
 
 class BackendPool:
-    """All backends; dispatch goes to the least loaded with room (outstanding tokens per seat).
+    """All backends; dispatch goes to the least loaded with room (outstanding tokens per seat)
+    among those that take new requests (`admits`: not draining, not ejected).
 
     `headroom` (a fraction of each backend's seats) is kept free of tenants over their weighted
     share: `pick(keep_headroom=True)` finds room for them, `pick()` for tenants under it. A
     light tenant's request then starts in the engine's next step instead of waiting for a
-    backlogged tenant's request to finish, and a lone tenant still fills every seat."""
+    backlogged tenant's request to finish, and a lone tenant still fills every seat.
+
+    `outliers` (gateway/outlier.py) hears how each remote backend's requests end and ejects a
+    replica that keeps failing."""
 
     def __init__(self, backends: list[Backend], headroom: float = 0.0,
-                 groups: list[DnsGroup] | None = None) -> None:
+                 groups: list[DnsGroup] | None = None,
+                 outlier_detection: OutlierDetectionConfig | None = None) -> None:
         if not backends and not groups:
             raise ValueError("at least one backend is needed")
         self.backends = backends
@@ -764,6 +820,59 @@ class BackendPool:
         self.draining: set[str] = set()  # by name: no new dispatch (a reconfigure, a rollout)
         self.groups: list[DnsGroup] = list(groups or [])  # backends found by DNS, one per address
         self.homes = PrefixHomes()  # prefix routing: where each prefix went lately
+        self.outliers = OutlierDetector(outlier_detection or OutlierDetectionConfig())
+        for backend in backends:
+            self._listen(backend)
+
+    def add(self, backend: Backend) -> None:
+        self._listen(backend)
+        self.backends.append(backend)
+
+    def remove(self, backend: Backend) -> None:
+        self.backends.remove(backend)
+        self.outliers.records.pop(backend.name, None)
+
+    def _listen(self, backend: Backend) -> None:
+        """A remote backend's request outcomes feed outlier detection."""
+        if isinstance(backend, RemoteBackend) and backend.on_result is None:
+            backend.on_result = self.record
+
+    def record(self, backend: Backend, verdict: Verdict) -> None:
+        """How one of `backend`'s requests ended; a replica that keeps failing is ejected."""
+        replicas = [b.name for b in self.backends if b.model_name == backend.model_name]
+        if self.outliers.record(backend.name, verdict, replicas):
+            state = self.outliers.state(backend.name)
+            log.warning("backend %s ejected for %.0f s (ejection %d): its requests fail",
+                        backend.name, state["ejected_until"] - time.time(), state["ejections"])
+
+    def admits(self, b: Backend) -> bool:
+        """Whether `b` takes new requests: not draining, not ejected. (Per backend: where a
+        canary's share of the traffic would be checked.)"""
+        return b.name not in self.draining and not self.outliers.ejected(b.name)
+
+    def available(self, b: Backend) -> bool:
+        """Healthy and not ejected: it can serve now (draining: only its own streams)."""
+        return b.healthy and not self.outliers.ejected(b.name)
+
+    def replica_counts(self) -> dict[str, dict[str, int]]:
+        """Per model served: its replicas, how many can serve now (`available`), how many are
+        ejected."""
+        counts: dict[str, dict[str, int]] = {}
+        for model in self.model_names():
+            replicas = [b for b in self.backends if b.model_name == model]
+            counts[model] = {"replicas": len(replicas),
+                             "available": sum(map(self.available, replicas)),
+                             "ejected": sum(self.outliers.ejected(b.name) for b in replicas)}
+        return counts
+
+    def ejection_rows(self) -> list[tuple[str, bool, int]]:
+        """(name, ejected now, times ejected) per backend: the ejection metrics."""
+        rows = []
+        for b in self.backends:
+            record = self.outliers.records.get(b.name)
+            rows.append((b.name, self.outliers.ejected(b.name),
+                         record.ejections_total if record else 0))
+        return rows
 
     def by_name(self, name: str) -> Backend | None:
         return next((b for b in self.backends if b.name == name), None)
@@ -785,11 +894,11 @@ class BackendPool:
         return list(dict.fromkeys(n for n in names if n))
 
     def _eligible(self, model: str | None, exclude: Backend | None = None) -> list[Backend]:
-        """Backends that may take a request for `model`: not `exclude`, not draining, serving
-        it (one that has not said its model yet serves any)."""
+        """Backends that may take a request for `model`: not `exclude`, serving it (one that
+        has not said its model yet serves any), admitting new requests."""
         return [b for b in self.backends
                 if b is not exclude and (model is None or not b.model_name or b.model_name == model)
-                and not (self.draining and b.name in self.draining)]
+                and self.admits(b)]
 
     def _free(self, b: Backend, keep_headroom: bool) -> bool:
         return b.has_room() and not (keep_headroom and b.inflight >= b.seats() - self.reserved(b))
@@ -825,7 +934,7 @@ class BackendPool:
 
     def capacity(self) -> int:
         """Room of the backends that take work (seats and slack): what shares are shares of."""
-        return sum(b.capacity() for b in self.backends if b.healthy)
+        return sum(b.capacity() for b in self.backends if self.available(b))
 
     def reserved(self, backend: Backend) -> int:
         """Seats of `backend` kept for tenants under their share (at least one stays shared)."""

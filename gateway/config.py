@@ -232,6 +232,50 @@ class JobsConfig:
 
 
 @dataclass(frozen=True)
+class OutlierDetectionConfig:
+    """Outlier ejection (gateway/outlier.py), with Envoy's names: a replica whose requests fail
+    (5xx other than overload, no connection, a reset, a timeout) leaves dispatch for a while."""
+
+    consecutive_5xx: int = 5  # failures in a row that eject; 0: this rule is off
+    interval_s: float = 10.0  # the window the failure percentage is measured over
+    failure_percentage_threshold: float = 50.0  # a window with this % failed ejects
+    failure_percentage_request_volume: int = 20  # ... once it holds this many requests
+    base_ejection_time_s: float = 30.0  # times the number of ejections so far
+    max_ejection_time_s: float = 300.0
+    max_ejection_percent: float = 50.0  # of a model's replicas out at once; 0: none ever
+
+    def __post_init__(self) -> None:
+        name = "gateway.outlier_detection"
+        check_int(f"{name}.consecutive_5xx", self.consecutive_5xx, low=0)
+        check_positive_int(f"{name}.failure_percentage_request_volume",
+                           self.failure_percentage_request_volume)
+        check_number(f"{name}.failure_percentage_threshold", self.failure_percentage_threshold,
+                     low=0, high=100, open_low=True)
+        check_number(f"{name}.max_ejection_percent", self.max_ejection_percent, low=0, high=100)
+        for key in ("interval_s", "base_ejection_time_s", "max_ejection_time_s"):
+            check_number(f"{name}.{key}", getattr(self, key), low=0, open_low=True)
+        if self.max_ejection_time_s < self.base_ejection_time_s:
+            raise ValueError(f"{name}.max_ejection_time_s ({self.max_ejection_time_s:g}) must "
+                             f"be >= base_ejection_time_s ({self.base_ejection_time_s:g})")
+
+
+@dataclass(frozen=True)
+class RetryBudgetConfig:
+    """A request whose replica failed before any byte of an answer is retried once on another
+    (Envoy's retry budget): retries under way at most `budget_percent` of the requests active
+    (dispatched and queued), and `min_retry_concurrency` whatever that is."""
+
+    budget_percent: float = 20.0
+    min_retry_concurrency: int = 3
+
+    def __post_init__(self) -> None:
+        check_number("gateway.retry_budget.budget_percent", self.budget_percent, low=0,
+                     high=100)
+        check_int("gateway.retry_budget.min_retry_concurrency", self.min_retry_concurrency,
+                  low=0)
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -240,6 +284,8 @@ class GatewayConfig:
     shadow: tuple[ShadowConfig, ...] = ()  # candidate engines that receive copies of live traffic
     capture: CaptureConfig | None = None  # live traffic written as a fairgate trace
     jobs: JobsConfig = JobsConfig()  # tuning jobs through /admin/tune-jobs
+    outlier_detection: OutlierDetectionConfig = OutlierDetectionConfig()  # failing replicas
+    retry_budget: RetryBudgetConfig = RetryBudgetConfig()  # retries on another replica
     dispatch: str = "fair"  # fair (priority class, then weighted VTC) | fcfs (the baseline)
     # which replica takes a request: least_loaded (most free room), or prefix: requests sharing
     # their prompt's first characters (and tenant, the cache salt) go to the same replica while
@@ -370,6 +416,10 @@ class GatewayConfig:
             if not isinstance(jobs, dict):
                 raise ValueError("gateway.jobs must be a mapping {dir, max_running, storage}")
             values["jobs"] = from_mapping(JobsConfig, jobs, "gateway.jobs")
+        for key, section in (("outlier_detection", OutlierDetectionConfig),
+                             ("retry_budget", RetryBudgetConfig)):
+            if key in values:  # null: the defaults
+                values[key] = from_mapping(section, values[key], f"gateway.{key}")
         names = [s.name for s in values["shadow"]]
         if len(set(names)) != len(names):
             raise ValueError(f"gateway.shadow names must be unique, got {names}")

@@ -245,7 +245,9 @@ _LAST_LOADS: dict[tuple[int, str], dict[str, Any]] = {}  # the load each engine 
 
 async def engines(request: web.Request) -> web.Response:
     """GET /admin/engines: per backend, healthy or not, draining, its load (running, waiting,
-    swapped, KV usage, preemptions), its knobs as it reports them, and the signs of trouble."""
+    swapped, KV usage, preemptions), its knobs as it reports them, the signs of trouble, and
+    its outlier state (ejected and until when, ejections, failures in a row, recent error
+    rate: gateway/outlier.py)."""
     request.app[AUTH].check_admin(request)
     gw = request.app[GATEWAY]
     rows = []
@@ -258,7 +260,8 @@ async def engines(request: web.Request) -> web.Response:
         _LAST_LOADS[key] = load
         rows.append({"name": b.name, "healthy": b.healthy, "draining": b.name in
                      gw.pool.draining, "inflight": b.inflight, "model": b.model_name,
-                     "load": load, "problems": _problems(load, previous)})
+                     "load": load, "problems": _problems(load, previous),
+                     "outlier": gw.pool.outliers.state(b.name)})
     jobs = request.app[JOBS]
     return web.json_response({"generated_at": time.time(), "engines": rows,
                               "jobs_running": len(jobs.running)})

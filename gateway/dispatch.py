@@ -17,29 +17,54 @@ Gateway replicas (`gateway.redis`): while a tenant waits on another replica, a t
 its share of the seats (counted on every replica) waits for that one to take its share first;
 the other replica fills the room this one leaves. The room itself counts the other replicas'
 requests on a shared engine (from its /load).
+
+Failover: a request whose replica failed before any byte of an answer goes to another one,
+once, while the retry budget allows (`RetryBudget`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 from gateway.backends import Backend, BackendPool
+from gateway.config import RetryBudgetConfig
 from gateway.fairqueue import Admit, FairQueue, QueueBounds, QueuedRequest
 from gateway.metrics import GatewayMetrics
 
 HOLD_S = 0.05  # room held for a tenant waiting elsewhere this long is given to anyone here
 
 
+class RetryBudget:
+    """Envoy's retry budget: retries under way at most `budget_percent` of the requests active
+    (dispatched and queued), and `min_retry_concurrency` however few those are. When a pool is
+    failing as a whole, retries then add a fifth to its load instead of doubling it."""
+
+    def __init__(self, config: RetryBudgetConfig) -> None:
+        self.config = config
+        self.under_way: set[int] = set()  # id() of the requests on their retry
+
+    def allows(self, active: int) -> bool:
+        percent = math.floor(active * self.config.budget_percent / 100)
+        return len(self.under_way) < max(self.config.min_retry_concurrency, percent)
+
+    def start(self, item: QueuedRequest) -> None:
+        self.under_way.add(id(item))
+
+    def end(self, item: QueuedRequest) -> None:
+        self.under_way.discard(id(item))
+
+
 class Dispatcher:
     def __init__(self, queue: FairQueue, pool: BackendPool, metrics: GatewayMetrics,
-                 load_factor: float = 1.25) -> None:
+                 load_factor: float = 1.25, retry_budget: RetryBudgetConfig | None = None) -> None:
         self.queue = queue
         self.pool = pool
         self.metrics = metrics
         self.load_factor = load_factor  # prefix routing's bound on a replica's load
+        self.retries = RetryBudget(retry_budget or RetryBudgetConfig())
         self._held_since: float | None = None  # the cross-replica gate held all back since
-
 
     def submit(self, item: QueuedRequest, bounds: QueueBounds) -> asyncio.Future[Backend]:
         """Queue `item` (QueueFull when its tenant's queue is full); the future resolves to the
@@ -140,17 +165,26 @@ class Dispatcher:
         assert backend is not None  # the pop only takes a request whose model has room
         return item, backend, False
 
-    def failover(self, item: QueuedRequest, failed: Backend, model: str | None) -> Backend | None:
-        """`item`'s backend failed before any byte of an answer: another healthy one that serves
-        its model takes it now, with room if one has it (its slot moves; its tenant's counters
-        are unchanged: it is the same request), or None."""
+    def failover(self, item: QueuedRequest, failed: Backend, model: str | None,
+                 reason: str = "unknown") -> Backend | None:
+        """`item`'s backend failed before any byte of an answer (`reason`: how, the
+        exception's `reason`): another healthy one that serves its model takes it now, with
+        room if one has it (its slot moves; its tenant's counters are unchanged: it is the
+        same request), or None: no other replica, or the retry budget is spent."""
+        active = self.queue.size + sum(b.inflight for b in self.pool.backends)
+        if not self.retries.allows(active):
+            self.metrics.child("retries_refused", "budget").inc()
+            return None
         other = self.pool.fallback(failed, model)
         if other is None:
+            self.metrics.child("retries_refused", "no_replica").inc()
             return None
+        self.retries.start(item)
         failed.inflight -= 1
         other.inflight += 1
         other.dispatched(item.cost)
         self.metrics.child("failovers", failed.name).inc()
+        self.metrics.child("retries", reason).inc()
         return other
 
     def abandon(self, item: QueuedRequest) -> bool:
@@ -163,6 +197,7 @@ class Dispatcher:
     def release(self, item: QueuedRequest, backend: Backend, input_tokens: int,
                 output_tokens: int) -> None:
         backend.inflight -= 1
+        self.retries.end(item)
         self.queue.finish(item, input_tokens, output_tokens)
         self.pump()
 

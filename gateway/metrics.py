@@ -5,7 +5,7 @@ dict lookup and a lock, which adds up at one ITL observation per token."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -79,6 +79,16 @@ class GatewayMetrics:
         self.failovers = Counter("fairgate_gateway_failovers_total",
                                  "Requests moved to another replica after theirs failed before "
                                  "any byte of an answer", ["backend"], registry=r)
+        self.retries = Counter("fairgate_gateway_retries_total",
+                               "Requests retried on another replica after theirs failed before "
+                               "any byte of an answer, by how (5xx, connect_failure, reset)",
+                               ["reason"], registry=r)
+        self.retries_refused = Counter("fairgate_gateway_retries_refused_total",
+                                       "Failed requests not retried (budget: the retry budget "
+                                       "was spent; no_replica: no other replica serves them)",
+                                       ["reason"], registry=r)
+        self.outliers = BackendOutliers()  # ejected replicas (gateway/outlier.py)
+        r.register(self.outliers)
         # shadow traffic (gateway/shadow.py): copies, never part of a tenant's figures
         self.shadow_sent = Counter("fairgate_gateway_shadow_sent_total",
                                    "Copies of live requests sent to a shadow target", ["shadow"],
@@ -163,6 +173,28 @@ class GatewayMetrics:
         fraction = attainment(counts[0], counts[1], target)["fraction"]
         if fraction is not None:
             self.child("slo_attainment", tenant, slo).set(fraction)
+
+
+class BackendOutliers(Collector):
+    """fairgate_gateway_backend_ejected{backend} (1 while outlier detection keeps it out of
+    dispatch) and fairgate_gateway_backend_ejections_total{backend}, read at each scrape from
+    `read` ((backend, ejected, ejections so far) rows): an ejection ends by the clock, with no
+    event to set a gauge on."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], Iterable[tuple[str, bool, int]]] = tuple
+
+    def collect(self) -> Iterator[Metric]:
+        ejected = GaugeMetricFamily("fairgate_gateway_backend_ejected", "1 while the backend is "
+                                    "ejected (its requests kept failing), else 0",
+                                    labels=["backend"])
+        ejections = CounterMetricFamily("fairgate_gateway_backend_ejections", "Times the "
+                                        "backend was ejected", labels=["backend"])
+        for backend, out, count in self.read():
+            ejected.add_metric([backend], float(out))
+            ejections.add_metric([backend], count)
+        yield ejected
+        yield ejections
 
 
 class _ReadAtScrape(Collector):

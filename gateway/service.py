@@ -117,7 +117,9 @@ class Gateway:
         self.shared_fair: SharedFairState | None = None
         self.estimator = OutputEstimator()
         self.queue = FairQueue(config.dispatch)
-        self.dispatcher = Dispatcher(self.queue, self.pool, metrics, config.prefix_load_factor)
+        self.dispatcher = Dispatcher(self.queue, self.pool, metrics, config.prefix_load_factor,
+                                     config.retry_budget)
+        metrics.outliers.read = pool.ejection_rows
 
     # ---- admission --------------------------------------------------------------------------
     async def admit(self, principal: Principal, req: OpenAIRequest) -> tuple[
@@ -176,11 +178,11 @@ class Gateway:
             raise ApiError(404, f"The model {req.model!r} does not exist; this gateway serves: "
                            f"{', '.join(names) or 'none yet'}", code="model_not_found",
                            param="model")
-        if not any(b.healthy for b in self.pool.serves(req.model)):
+        if not any(self.pool.available(b) for b in self.pool.serves(req.model)):
             serving = ", ".join(b.name for b in self.pool.serves(req.model))
             raise ApiError(503, f"the model {req.model!r} is served by {serving}, none of them "
-                           "reachable now; try again shortly", code="model_unavailable",
-                           retry_after=self.config.backend_retry_after_s)
+                           "reachable (or all ejected for failing) now; try again shortly",
+                           code="model_unavailable", retry_after=self.config.backend_retry_after_s)
         if self.ledger is not None and self.ledger.pending >= 2 * self.ledger.max_pending:
             raise ApiError(503, "usage recording is behind; try again shortly",
                            code="ledger_full", retry_after=1.0)

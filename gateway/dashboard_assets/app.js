@@ -80,12 +80,29 @@ async function refreshDetail() {
     `p99 ITL <= ${ms(d.slo.itl_p99_s)} (gaps: budget left ${pct(d.itl_budget_left_30d)}, burn 1h ${num(d.itl_burn_rate["1h"], 1)}x)`;
 }
 
+// ejected: outlier detection keeps it out of dispatch until `ejected_until` (its requests failed)
+function engineHealth(e) {
+  const o = e.outlier;
+  if (o.ejected) {
+    const left = Math.max(0, Math.round(o.ejected_until - Date.now() / 1000));
+    return `<span class="miss" title="ejection ${esc(o.ejections)} (${esc(o.ejections_total)} in all)">ejected ${esc(left)} s</span>`;
+  }
+  if (!e.healthy) return '<span class="miss">down</span>';
+  return e.draining ? "draining" : "healthy";
+}
+
+function errorRate(o) {
+  if (o.error_rate === null) return "-";
+  const fails = o.consecutive_failures ? `, ${o.consecutive_failures} in a row` : "";
+  return `${pct(o.error_rate)} of ${o.window_requests}${fails}`;
+}
+
 function renderEngines(data) {
   document.querySelector("#engines tbody").innerHTML = data.engines.map((e) => {
     const l = e.load || {}, kv = l.kv_usage ?? null;
     const hits = l.prefix_cache_queries ? l.prefix_cache_hits / l.prefix_cache_queries : null;
     const problems = e.problems.map((p) => esc(p.what)).join("; ");
-    return `<tr data-engine="${esc(e.name)}"><td>${esc(e.name)}</td><td>${e.healthy ? (e.draining ? "draining" : "healthy") : '<span class="miss">down</span>'}</td>` +
+    return `<tr data-engine="${esc(e.name)}"><td>${esc(e.name)}</td><td>${engineHealth(e)}</td><td>${esc(errorRate(e.outlier))}</td>` +
       `<td>${esc(l.running ?? "-")}</td><td>${esc(l.waiting ?? "-")}</td><td>${esc(l.swapped ?? "-")}</td>` +
       `<td>${kv === null || !isFinite(Number(kv)) ? "-" : `<span class="bar${kv > 0.95 ? " hot" : ""}"><i style="width:${(100 * Number(kv)).toFixed(0)}%"></i></span>${esc(pct(kv))}`}</td>` +
       `<td>${esc(l.num_preemptions ?? "-")}</td><td>${esc(pct(hits))}</td><td>${esc(l.max_num_seqs ?? "-")}</td><td>${esc(l.max_num_batched_tokens ?? "-")}</td>` +
