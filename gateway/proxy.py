@@ -80,7 +80,7 @@ async def _handle(request: web.Request, endpoint: str) -> web.StreamResponse:
             except BackendFailed as exc:
                 # it broke before any byte reached the client: another replica takes it, once
                 other = None if retried else gw.dispatcher.failover(adm.item, backend,
-                                                                    req.model)
+                                                                    req.model, exc.reason)
                 if other is None:
                     raise
                 log.warning("failover: %s failed before answering (%s); %s takes the request",
