@@ -192,6 +192,7 @@ class Backend(Protocol):
     max_model_len: int
     inflight: int
     healthy: bool
+    sent: int  # requests handed to it (`dispatched`), ever
 
     def capacity(self) -> int: ...
     def seats(self) -> int: ...
@@ -229,6 +230,7 @@ class EmbeddedBackend:
         self.inflight = 0
         self.healthy = True
         self.recent = RecentWork()
+        self.sent = 0
 
     def capacity(self) -> int:
         return self.seats() + self.slack
@@ -245,6 +247,7 @@ class EmbeddedBackend:
 
     def dispatched(self, tokens: int) -> None:
         self.recent.add(tokens)
+        self.sent += 1
 
     def count_prompt(self, req: OpenAIRequest) -> int:
         return len(prompt_token_ids(req, self.tokenizer))
@@ -338,6 +341,7 @@ class RemoteBackend:
         self._down_until = 0.0  # monotonic: not healthy again before this
         self.load: dict[str, Any] = {}
         self.recent = RecentWork()  # sent since the last /load was asked for
+        self.sent = 0
         self.others = 0  # other gateways' requests on the engine, as of the last /load
         self._own_tokens = 0  # an OpenAI server (no /load): the work of our requests on it
         self.poll_interval = poll_interval
@@ -382,6 +386,7 @@ class RemoteBackend:
 
     def dispatched(self, tokens: int) -> None:
         self.recent.add(tokens)
+        self.sent += 1
 
     def count_prompt(self, req: OpenAIRequest) -> int:
         if isinstance(req.prompt, list):
@@ -800,7 +805,8 @@ def _ring_point(key: int, name: str) -> int:
 
 class BackendPool:
     """All backends; dispatch goes to the least loaded with room (outstanding tokens per seat)
-    among those that take new requests (`admits`: not draining, not ejected).
+    among those that take new requests (`admits`: not draining, not ejected, a canary within
+    its share: `limit_share`).
 
     `headroom` (a fraction of each backend's seats) is kept free of tenants over their weighted
     share: `pick(keep_headroom=True)` finds room for them, `pick()` for tenants under it. A
@@ -821,6 +827,9 @@ class BackendPool:
         self.groups: list[DnsGroup] = list(groups or [])  # backends found by DNS, one per address
         self.homes = PrefixHomes()  # prefix routing: where each prefix went lately
         self.outliers = OutlierDetector(outlier_detection or OutlierDetectionConfig())
+        # a canary's share limit: its share, and each of its model's replicas' `sent` then
+        self.shares: dict[str, tuple[float, dict[str, int]]] = {}
+        self.results: list[Callable[[Backend, Verdict], None]] = []  # told as `record` is
         for backend in backends:
             self._listen(backend)
 
@@ -838,7 +847,10 @@ class BackendPool:
             backend.on_result = self.record
 
     def record(self, backend: Backend, verdict: Verdict) -> None:
-        """How one of `backend`'s requests ended; a replica that keeps failing is ejected."""
+        """How one of `backend`'s requests ended (`results` are told too); a replica that
+        keeps failing is ejected."""
+        for hear in self.results:
+            hear(backend, verdict)
         replicas = [b.name for b in self.backends if b.model_name == backend.model_name]
         if self.outliers.record(backend.name, verdict, replicas):
             state = self.outliers.state(backend.name)
@@ -846,9 +858,27 @@ class BackendPool:
                         backend.name, state["ejected_until"] - time.time(), state["ejections"])
 
     def admits(self, b: Backend) -> bool:
-        """Whether `b` takes new requests: not draining, not ejected. (Per backend: where a
-        canary's share of the traffic would be checked.)"""
-        return b.name not in self.draining and not self.outliers.ejected(b.name)
+        """Whether `b` takes new requests: not draining, not ejected, within its share."""
+        return (b.name not in self.draining and not self.outliers.ejected(b.name)
+                and self._within_share(b))
+
+    def limit_share(self, name: str, share: float | None) -> None:
+        """From now on, at most `share` of its model's requests go to `name` (a canary; the
+        others take the rest, or they wait); None lifts the limit."""
+        backend = self.by_name(name)
+        if share is None or backend is None:
+            self.shares.pop(name, None)
+            return
+        self.shares[name] = (share, {b.name: b.sent for b in self.serves(backend.model_name)})
+
+    def _within_share(self, b: Backend) -> bool:
+        """Handed one more, `b` would have less than its share of what its model's replicas
+        were handed since its limit was set, plus one (so the first request may go)."""
+        if b.name not in self.shares:
+            return True
+        share, start = self.shares[b.name]
+        total = sum(r.sent - start.get(r.name, 0) for r in self.serves(b.model_name))
+        return b.sent - start[b.name] < share * (total + 1)
 
     def available(self, b: Backend) -> bool:
         """Healthy and not ejected: it can serve now (draining: only its own streams)."""

@@ -384,10 +384,13 @@ def _f(fraction: float | None) -> str:
     return "n/a" if fraction is None else f"{fraction:.3f}"
 
 
-def default_canary_weight(replicas: int) -> float:
-    """The share of its model's requests a canary is sent unless told: an even share among
-    `replicas` (the canary among them), at most MAX_CANARY_WEIGHT."""
-    return min(1.0 / max(1, replicas), MAX_CANARY_WEIGHT)
+def canary_weight(asked: float | None, replicas: int) -> float:
+    """The share of its model's requests a canary is sent: `asked`, else an even share among
+    `replicas` (the canary among them), at most MAX_CANARY_WEIGHT; all of them when it is the
+    model's one replica (no other could take the rest)."""
+    if replicas <= 1:
+        return 1.0
+    return min(1.0 / replicas, MAX_CANARY_WEIGHT) if asked is None else asked
 
 
 # ---- the procedure --------------------------------------------------------------------------------

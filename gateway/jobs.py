@@ -50,7 +50,9 @@ import yaml
 from engine.config import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV, EngineConfig
 from engine.presets import MODEL_PRESETS, model_preset
 from engine.sim_profile import FEATURES, PROFILE_VERSION, SimProfile
+from gateway.canary import MAX_CANARY_WEIGHT
 from gateway.config import ADMIN_KEY_ENV, BackendConfig, ShadowConfig
+from gateway.outlier import Verdict
 from protocol.errors import ApiError, bad_request
 from protocol.openai import server_root
 from protocol.serving import wait_event
@@ -759,7 +761,7 @@ class JobManager:
 
     async def _start_apply(self, job_id: str, options: dict[str, Any],
                            gateway: Any) -> dict[str, Any]:
-        from gateway.canary import Apply, ApplyPlan
+        from gateway.canary import Apply, ApplyPlan, canary_weight
 
         job = await self._job(job_id)
         if job.state != "succeeded":
@@ -790,9 +792,11 @@ class JobManager:
                                "needed to roll back", code="backend_unavailable",
                                retry_after=5.0)
             previous[name] = knobs
+        replicas = pool.serves(pool.by_name(canary).model_name)
         plan = ApplyPlan(job_id, canary, [n for n in fairgate if n != canary], config, previous,
                          options["canary_window_s"], options["min_requests"],
-                         options["max_wait_s"])
+                         options["max_wait_s"],
+                         canary_weight(options["canary_weight"], len(replicas)))
 
         async def drain(name: str) -> None:
             pool.draining.add(name)
@@ -812,9 +816,15 @@ class JobManager:
             return await reconfigure(name, knobs, drain_timeout=DRAIN_TIMEOUT_S,
                                      admin_key=self.engine_keys(name).admin_key)
 
-        run = Apply(plan, gateway.served, drain, undrain, switch, record)
+        def heard(backend: Any, verdict: Verdict) -> None:
+            gateway.served.attempt(backend.name, verdict is Verdict.FAILED)
+
+        run = Apply(plan, gateway.served, drain, undrain, switch, record,
+                    limit_share=pool.limit_share)
         await record(run.record)
+        pool.results.append(heard)  # every replica's attempts, while the apply runs
         self.applying = asyncio.create_task(run.run(), name=f"apply {job_id}")
+        self.applying.add_done_callback(lambda _: pool.results.remove(heard))
         return run.record
 
     async def _job(self, job_id: str) -> JobRecord:
@@ -1066,10 +1076,13 @@ def _number(fields: dict[str, Any], name: str, *, low: float = 0.0, integer: boo
 
 
 def _apply_options(body: Any) -> dict[str, Any]:
+    """The apply body, checked; canary_weight None: the canary's default share (an even share
+    of its model's replicas, at most MAX_CANARY_WEIGHT), known once the replicas are."""
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object {backend, canary_window_s, "
-                          "min_requests}", None)
-    unknown = sorted(set(body) - {"backend", "canary_window_s", "min_requests", "max_wait_s"})
+                          "min_requests, max_wait_s, canary_weight}", None)
+    unknown = sorted(set(body) - {"backend", "canary_window_s", "min_requests", "max_wait_s",
+                                  "canary_weight"})
     if unknown:
         raise bad_request(f"unknown field {unknown[0]!r}", unknown[0])
     backend = body.get("backend")
@@ -1082,7 +1095,8 @@ def _apply_options(body: Any) -> dict[str, Any]:
     wait = _number(body, "max_wait_s", high=7 * 86400)
     return {"backend": backend, "canary_window_s": window,
             "min_requests": DEFAULT_MIN_REQUESTS if least is None else least,
-            "max_wait_s": 5 * window if wait is None else max(wait, window)}
+            "max_wait_s": 5 * window if wait is None else max(wait, window),
+            "canary_weight": _number(body, "canary_weight", high=MAX_CANARY_WEIGHT)}
 
 
 def best_knobs(job: JobRecord) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.admin import CAPTURE_MEDIA_TYPE, MAX_CAPTURE_LIMIT
+from gateway.canary import MAX_CANARY_WEIGHT
 from gateway.config import (
     BACKEND_KINDS,
     MODEL_NAME_PATTERN,
@@ -193,7 +194,14 @@ GATEWAY_SCHEMAS: dict[str, Schema] = {
                                  "min_requests": {"type": "integer", "minimum": 1,
                                                   "maximum": 1000000},
                                  "max_wait_s": {"type": "number", "exclusiveMinimum": 0,
-                                                "maximum": 604800}}},
+                                                "maximum": 604800},
+                                 "canary_weight": {
+                                     "type": "number", "exclusiveMinimum": 0,
+                                     "maximum": MAX_CANARY_WEIGHT,
+                                     "description": "The most of its model's requests the "
+                                     "canary is sent while it is judged (default: an even "
+                                     "share of the model's replicas, at most 0.25; a model "
+                                     "with one replica sends it all of them)."}}},
     "TuneApplyRecord": {"type": "object", "required": ["state", "backend", "steps"],
                         "properties": {"state": {"enum": [
                             "applying", "canary", "promoting", "promoted", "rolling_back",

@@ -21,7 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.backends import BackendPool
 from gateway.canary import (
+    MAX_CANARY_WEIGHT,
     REFERENCE,
     TICK_S,
     WORSE,
@@ -30,11 +32,13 @@ from gateway.canary import (
     Attempt,
     Served,
     ServedWindow,
+    canary_weight,
     judge,
     sequential,
     side,
     sprt,
 )
+from gateway.openapi import document
 from protocol.measures import SLO, RequestTiming
 from tests.gateway.helpers import collect, completion, start_gateway
 from tests.support.processes import fairgate_engine
@@ -119,6 +123,11 @@ async def test_a_better_config_is_promoted_and_a_worse_one_rolled_back(
             figures = verdict["figures"]
             assert figures["canary"]["requests"] >= 10 and figures["baseline"]["requests"] >= 10
             assert figures["canary"]["fraction"] >= figures["baseline"]["fraction"]
+            # sixteen seats against one, yet the canary was sent at most its quarter (give or
+            # take the six streams in flight as the window closed)
+            served = figures["canary"]["requests"], figures["baseline"]["requests"]
+            assert promoted["canary_weight"] == 0.25
+            assert served[0] <= 0.25 * sum(served) + 6, served
             assert promoted["previous"] == {a: {"max_num_seqs": 1}, b: {"max_num_seqs": 1}}
 
             rolled = await _apply(h, bad, a)
@@ -144,10 +153,17 @@ async def test_apply_refuses_what_it_cannot_do(aiohttp_client: Any, db_url: str,
         for body, param in (({}, "backend"), ({"backend": "http://127.0.0.1:9"}, "backend"),
                             ({"backend": a, "canary_window_s": 0}, "canary_window_s"),
                             ({"backend": a, "min_requests": -1}, "min_requests"),
-                            ({"backend": a, "colour": 1}, "colour")):
+                            ({"backend": a, "colour": 1}, "colour"),
+                            ({"backend": a, "canary_weight": 0}, "canary_weight"),
+                            ({"backend": a, "canary_weight": MAX_CANARY_WEIGHT + 0.01},
+                             "canary_weight"),
+                            ({"backend": a, "canary_weight": "half"}, "canary_weight")):
             resp = await h.client.post(f"/admin/tune-jobs/{job}/apply", json=body,
                                        headers=ADMIN)
             assert resp.status == 400 and (await resp.json())["error"]["param"] == param
+        # the document's bound is the one the apply holds to
+        weight = document()["components"]["schemas"]["TuneApply"]["properties"]["canary_weight"]
+        assert weight["maximum"] == MAX_CANARY_WEIGHT and weight["exclusiveMinimum"] == 0
         missing = await h.client.post("/admin/tune-jobs/job-nope/apply", json={"backend": a},
                                       headers=ADMIN)
         assert missing.status == 404
@@ -448,3 +464,59 @@ async def test_an_apply_rolls_a_failing_canary_back_long_before_its_window_ends(
     assert events == [("reconfigure", "c", {"max_num_seqs": 1}), ("share", "c", 0.2),
                       ("undrain", "c"), ("reconfigure", "c", {"max_num_seqs": 16}),
                       ("share", "c", None), ("undrain", "c"), ("share", "c", None)]
+
+
+@pytest.mark.parametrize(("asked", "replicas", "weight"), [
+    (None, 2, 0.25), (None, 4, 0.25), (None, 8, 0.125), (0.1, 2, 0.1), (None, 1, 1.0),
+    (0.1, 1, 1.0)])
+def test_a_canary_gets_an_even_share_at_most_a_quarter_and_a_lone_replica_all(
+        asked: float | None, replicas: int, weight: float) -> None:
+    assert canary_weight(asked, replicas) == weight
+
+
+@dataclasses.dataclass
+class Replica:
+    """Always room, never loaded: the least loaded pick alone would alternate, or pick the
+    first."""
+
+    name: str
+    model_name: str = "m"
+    inflight: int = 0
+    healthy: bool = True
+    sent: int = 0
+
+    def has_room(self) -> bool:
+        return True
+
+    def seats(self) -> int:
+        return 8
+
+    def capacity(self) -> int:
+        return 8
+
+    def outstanding_tokens(self) -> int:
+        return 0
+
+    def dispatched(self, tokens: int) -> None:
+        self.sent += 1
+
+
+@pytest.mark.parametrize("share", [0.25, 0.1])
+def test_the_pool_sends_a_canary_at_most_its_share_of_its_models_requests(share: float) -> None:
+    canary, stable, other = Replica("c"), Replica("s"), Replica("o", model_name="n")
+    pool = BackendPool([canary, stable, other])  # type: ignore[list-item]
+    for _ in range(10):  # before the limit: the canary, first and as idle, takes them all
+        assert pool.pick(model="m") is canary
+        canary.dispatched(1)
+    pool.limit_share("c", share)
+    picked_by = []
+    for _ in range(200):
+        picked = pool.pick(model="m")
+        assert picked is not None
+        picked.dispatched(1)
+        picked_by.append(picked.name)
+        assert picked_by.count("c") <= share * len(picked_by) + 1
+    assert picked_by.count("c") == pytest.approx(share * 200, abs=1)  # and no less
+    assert pool.pick(model="n") is other  # another model's replicas are not counted
+    pool.limit_share("c", None)
+    assert pool.pick(model="m") is canary
