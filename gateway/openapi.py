@@ -436,7 +436,7 @@ ROUTES = (
     Route("get", "/dashboard", "The SLO dashboard (HTML): the login form first without a "
           "session.", {200: {"description": "The page.",
                              "content": {"text/html": {"schema": STRING}}},
-                       303: {"description": "To /dashboard/login."}}, (401, 404)),
+                       303: {"description": "To /dashboard/login."}}, (401, 404, 429)),
     Route("get", "/dashboard/app.js", "The dashboard's script (served by fairgate; no CDN).",
           {200: {"description": "JavaScript.",
                  "content": {"text/javascript": {"schema": STRING}}}}),
