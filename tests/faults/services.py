@@ -10,7 +10,15 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tests.support.processes import wait_for_output
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,3 +103,39 @@ class Service:
             code = self.proc.wait(timeout)
         self._reader.join(10)
         return code
+
+
+async def serve_forever(app: web.Application, port: int, banner: str) -> None:
+    """Serve `app` on 127.0.0.1:`port`, print `banner` (what `fake_process` waits for) and run
+    until SIGTERM: the body of a test module's `__main__` that plays a fake server."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    print(f"serving {banner}", flush=True)
+    await asyncio.Event().wait()
+
+
+@contextmanager
+def fake_process(module: str, port: int, args: list[str], cwd: Path) -> Iterator[str]:
+    """`python -m module --port PORT ARGS...` (a fake server built on `serve_forever`) in its
+    own process, once it listens: its URL; terminated afterwards."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, "--port", str(port), *args], cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for_output(proc, b"serving ")
+        assert proc.stdout is not None
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drained to EOF
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def get_json(session: aiohttp.ClientSession, url: str,
+                   headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """GET `url`, which must answer 200: its JSON object."""
+    async with session.get(url, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        return dict(await resp.json())

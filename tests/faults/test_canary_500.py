@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
 import re
 import secrets
-import subprocess
-import sys
-import threading
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +37,7 @@ from tests.faults.cluster import (
     free_port,
     start_engine,
 )
-from tests.faults.services import ROOT
-from tests.support.processes import wait_for_output
+from tests.faults.services import fake_process, get_json, serve_forever
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.postgres
@@ -100,39 +96,16 @@ def make_faulting_proxy(target: str) -> web.Application:
 
 
 async def serve(port: int, target: str) -> None:
-    runner = web.AppRunner(make_faulting_proxy(target))
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    print(f"serving {target} on port {port} (500 while max_num_seqs={POISON})", flush=True)
-    await asyncio.Event().wait()  # until SIGTERM
+    await serve_forever(make_faulting_proxy(target), port,
+                        f"{target} on port {port} (500 while max_num_seqs={POISON})")
 
 
-@contextmanager
-def faulting_proxy(target: str, cwd: Path) -> Iterator[str]:
+def faulting_proxy(target: str, cwd: Path) -> contextlib.AbstractContextManager[str]:
     """The proxy in its own process, listening: its URL; stopped afterwards."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.faults.test_canary_500", "--port", str(port), "--to",
-         target], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        wait_for_output(proc, b"serving ")
-        assert proc.stdout is not None
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drained to EOF
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    return fake_process("tests.faults.test_canary_500", free_port(), ["--to", target], cwd)
 
 
 # ---- the test -------------------------------------------------------------------------------------
-async def get_json(session: aiohttp.ClientSession, url: str,
-                   headers: dict[str, str] | None = None) -> dict[str, Any]:
-    async with session.get(url, headers=headers) as resp:
-        assert resp.status == 200, await resp.text()
-        return dict(await resp.json())
-
-
 async def poisoned_job(c: Cluster, session: aiohttp.ClientSession) -> str:
     """A sim tune job whose space holds only max_num_seqs=POISON: its best config."""
     spec = {"mode": "sim", "workload": "uniform", "rate": 2, "duration": 4, "trials": 1,

@@ -12,16 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import contextlib
 import re
 import secrets
-import subprocess
-import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -37,8 +31,7 @@ from tests.faults.cluster import (
     free_port,
     start_engine,
 )
-from tests.faults.services import ROOT
-from tests.support.processes import wait_for_output
+from tests.faults.services import fake_process, get_json, serve_forever
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.postgres
@@ -90,39 +83,16 @@ def make_failing_replica(model: str) -> web.Application:
 
 
 async def serve(port: int, model: str) -> None:
-    runner = web.AppRunner(make_failing_replica(model))
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    print(f"serving {model} on port {port} (500 to every completion)", flush=True)
-    await asyncio.Event().wait()  # until SIGTERM
+    await serve_forever(make_failing_replica(model), port,
+                        f"{model} on port {port} (500 to every completion)")
 
 
-@contextmanager
-def failing_replica(model: str, cwd: Path) -> Iterator[str]:
+def failing_replica(model: str, cwd: Path) -> contextlib.AbstractContextManager[str]:
     """The fake replica in its own process, listening: its URL; stopped afterwards."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.faults.test_replica_500", "--port", str(port), "--model",
-         model], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        wait_for_output(proc, b"serving ")
-        assert proc.stdout is not None
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drained to EOF
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    return fake_process("tests.faults.test_replica_500", free_port(), ["--model", model], cwd)
 
 
 # ---- the test -------------------------------------------------------------------------------------
-async def get_json(session: aiohttp.ClientSession, url: str,
-                   headers: dict[str, str] | None = None) -> dict[str, Any]:
-    async with session.get(url, headers=headers) as resp:
-        assert resp.status == 200, await resp.text()
-        return dict(await resp.json())
-
-
 async def gateway_metrics(c: Cluster, session: aiohttp.ClientSession, token: str) -> str:
     async with session.get(f"{c.url}/metrics",
                            headers={"Authorization": f"Bearer {token}"}) as resp:
