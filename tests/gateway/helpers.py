@@ -198,3 +198,21 @@ async def collect(resp: Any) -> AsyncIterator[dict[str, Any]]:
         line = line.strip()
         if line.startswith(b"data: ") and line != b"data: [DONE]":
             yield json.loads(line[6:])
+
+
+async def leave_an_apply_mid_canary(db_url: str, folder: str, url: str) -> None:
+    """The job row a gateway killed during a canary window leaves behind: job-cut's apply of
+    max_num_seqs 32 onto `url` (before: 4), switched, in state canary."""
+    from tenants.jobs import JobStore
+
+    store = TenantStore(db_url)
+    await store.init()
+    try:
+        jobs = JobStore(store.db)
+        await jobs.create("job-cut", {"mode": "sim"}, None, "cut", folder, 1)
+        await jobs.transition("job-cut", ["queued"], "succeeded")
+        await jobs.update("job-cut", apply={
+            "state": "canary", "backend": url, "config": {"max_num_seqs": 32},
+            "previous": {url: {"max_num_seqs": 4}}, "switched": [url], "steps": []})
+    finally:
+        await store.close()

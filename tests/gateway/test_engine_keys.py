@@ -21,7 +21,12 @@ from engine.server import make_app as make_engine_app
 from gateway.config import BackendConfig, GatewayConfig, ShadowConfig
 from gateway.jobs import EngineKeys, keys_for
 from gateway.state import JOBS
-from tests.gateway.helpers import SIM_ENGINE, completion, start_gateway
+from tests.gateway.helpers import (
+    SIM_ENGINE,
+    completion,
+    leave_an_apply_mid_canary,
+    start_gateway,
+)
 
 API_KEY = "engine-key-0123456789"
 ADMIN_KEY = "engine-admin-0123456789"
@@ -122,21 +127,8 @@ def admin_config(url: str) -> dict[str, Any]:
 
 async def test_a_cut_short_apply_is_rolled_back_on_a_keyed_engine_with_its_admin_key(
         aiohttp_client: Any, aiohttp_server: Any, db_url: str, tmp_path: Path) -> None:
-    from tenants import TenantStore
-    from tenants.jobs import JobStore
-
     url = await keyed_engine(aiohttp_server, max_num_seqs=32)  # the canary's new knobs
-    store = TenantStore(db_url)
-    await store.init()
-    try:  # what a gateway killed during the canary window left behind
-        jobs = JobStore(store.db)
-        await jobs.create("job-cut", {"mode": "sim"}, None, "cut", str(tmp_path), 1)
-        await jobs.transition("job-cut", ["queued"], "succeeded")
-        await jobs.update("job-cut", apply={
-            "state": "canary", "backend": url, "config": {"max_num_seqs": 32},
-            "previous": {url: {"max_num_seqs": 4}}, "switched": [url], "steps": []})
-    finally:
-        await store.close()
+    await leave_an_apply_mid_canary(db_url, str(tmp_path), url)
     h = await start_gateway(aiohttp_client, db_url, gateway={
         "backends": [{"url": url, "api_key": API_KEY, "admin_key": ADMIN_KEY}],
         "jobs": {"dir": str(tmp_path / "jobs")}})

@@ -31,7 +31,7 @@ from gateway.jobs import (
 )
 from protocol.errors import ApiError
 from tenants.jobs import JobRecord
-from tests.gateway.helpers import free_port, start_gateway
+from tests.gateway.helpers import free_port, leave_an_apply_mid_canary, start_gateway
 from tests.support.processes import ROOT
 from tests.support.waiting import poll_until, wait_until
 from tuner.options import DEFAULT_TRIALS, TuneOptions
@@ -327,23 +327,11 @@ async def test_an_apply_cut_short_by_a_restart_is_rolled_back_when_the_gateway_s
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
     from engine.server import make_app as make_engine_app
-    from tenants import TenantStore
-    from tenants.jobs import JobStore
 
     engine = await aiohttp_server(make_engine_app(AsyncEngine(EngineConfig(
         executor="sim", max_model_len=512, max_num_seqs=4))))
     url = str(engine.make_url("")).rstrip("/")
-    store = TenantStore(db_url)
-    await store.init()
-    try:  # what a gateway killed during the canary window left behind
-        jobs = JobStore(store.db)
-        await jobs.create("job-cut", {"mode": "sim"}, None, "cut", str(tmp_path), 1)
-        await jobs.transition("job-cut", ["queued"], "succeeded")
-        await jobs.update("job-cut", apply={
-            "state": "canary", "backend": url, "config": {"max_num_seqs": 32},
-            "previous": {url: {"max_num_seqs": 4}}, "switched": [url], "steps": []})
-    finally:
-        await store.close()
+    await leave_an_apply_mid_canary(db_url, str(tmp_path), url)
     import urllib.request as ur
 
     # the canary already runs the new knobs
