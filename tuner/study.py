@@ -241,8 +241,27 @@ def _optimize(spec: TuneSpec, study: optuna.Study, runner: TrialRunner, prepared
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         # the base config's values may lie outside a --space file's ranges: it runs as it is
         warnings.filterwarnings("ignore", "Fixed parameter .* is out of range", UserWarning)
-        study.optimize(evaluate, n_trials=n_trials, timeout=spec.timeout_s,
-                       callbacks=callbacks, gc_after_trial=False)
+        started = time.monotonic()
+        while True:
+            study.optimize(evaluate, n_trials=n_trials, timeout=_left(spec, started),
+                           callbacks=callbacks, gc_after_trial=False)
+            # A killed run's trial that went stale only after this worker counted it as
+            # running was failed and queued again (with its knobs) meanwhile: run it too, or
+            # the study ends a trial short. Failed trials queue at most once (max_retry), so
+            # this ends.
+            if spec.trials is None or _left(spec, started) == 0.0:
+                return
+            n_trials = min(spec.trials - _taken(study), len(study.get_trials(
+                deepcopy=False, states=(TrialState.WAITING,))))
+            if n_trials <= 0:
+                return
+
+
+def _left(spec: TuneSpec, started: float) -> float | None:
+    """What is left of --timeout since `started` (None: no timeout)."""
+    if spec.timeout_s is None:
+        return None
+    return max(0.0, spec.timeout_s - (time.monotonic() - started))
 
 
 def _taken(study: optuna.Study) -> int:
