@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from engine.executor import KVCapacity
+from protocol.yaml_files import load_yaml
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -172,9 +173,12 @@ def load_profile(path: str | os.PathLike[str]) -> SimProfile:
 @functools.lru_cache(maxsize=16)
 def _load(path: str, mtime_ns: int, size: int) -> SimProfile:
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = load_yaml(path)  # YamlError names the file and the line itself
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    try:
         return SimProfile.from_dict(data)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(f"{path}: {reason}") from None
 

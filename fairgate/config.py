@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig
+from protocol.yaml_files import load_yaml
 from tenants.db import DEFAULT_DATABASE_URL
 
 SECTIONS = ("engine", "gateway", "database", "tenants", "slo", "shadow", "tuner")
@@ -25,18 +24,11 @@ def load_config_file(path: str | Path | None) -> dict[str, Any]:
         return {}
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = load_yaml(path)  # YamlError, a ValueError: the file's line and what is wrong
     except FileNotFoundError:
         raise ValueError(f"config file {path} not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise ValueError(f"cannot read config file {path}: {exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ValueError(f"{path}{where}: invalid YAML: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

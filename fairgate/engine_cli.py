@@ -18,8 +18,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-import yaml
-
 from engine.config import (
     ENGINE_KEY_ENV,
     EngineAccess,
@@ -30,6 +28,7 @@ from engine.config import (
 from engine.metrics import COMPAT_CHOICES
 from fairgate.config import load_config_file, section
 from protocol.serving import serve, setup_logging
+from protocol.yaml_files import YamlError, load_yaml
 
 DEFAULT_PORT = 8100
 DEFAULT_HOST = "127.0.0.1"
@@ -62,8 +61,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if not sep or not knob.strip():
             raise ValueError(f"--set expects KNOB=VALUE, got {item!r}")
         try:
-            overrides[knob.strip()] = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
+            overrides[knob.strip()] = load_yaml(f"--set {knob}", text=raw)
+        except YamlError:
             raise ValueError(f"--set {knob}: cannot read the value {raw!r}") from None
     return overrides
 

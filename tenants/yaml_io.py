@@ -53,6 +53,7 @@ import yaml
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from protocol.yaml_files import YamlError, load_yaml
 from tenants.keys import display_prefix, generate_key, hash_scheme, is_valid_hash
 from tenants.models import ApiKeyRow, TenantRow
 from tenants.store import (
@@ -93,42 +94,8 @@ class TenantSpec:
     line: int
 
 
-class _Mapping(dict[Any, Any]):
-    line = 0
-
-
-class _LineLoader(yaml.SafeLoader):
-    """SafeLoader that remembers each mapping's line and rejects duplicate keys."""
-
-
-def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> _Mapping:
-    loader.flatten_mapping(node)
-    mapping = _Mapping()
-    mapping.line = node.start_mark.line + 1
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if key in mapping:
-            raise yaml.MarkedYAMLError(problem=f"duplicate key {key!r}", problem_mark=key_node.start_mark)
-        mapping[key] = loader.construct_object(value_node, deep=True)
-    return mapping
-
-
-_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
 def _line(node: object, default: int = 1) -> int:
     return int(getattr(node, "line", default))
-
-
-def _describe_yaml_error(exc: yaml.MarkedYAMLError) -> str:
-    mark = exc.problem_mark or exc.context_mark
-    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown line"
-    text = f"{where}: {exc.problem or exc.context}"
-    ctx = exc.context_mark
-    # PyYAML often notices an unclosed bracket only at the end of the file; name where it began.
-    if exc.context and ctx is not None and mark is not None and ctx.line != mark.line:
-        text += f" ({exc.context} on line {ctx.line + 1})"
-    return text
 
 
 def read_source(text_or_path: str | Path) -> tuple[str, str]:
@@ -148,11 +115,9 @@ def read_source(text_or_path: str | Path) -> tuple[str, str]:
 def parse_yaml(text: str, source: str = "<yaml>") -> list[TenantSpec]:
     """Parse and validate a whole file before anything touches the database."""
     try:
-        doc = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.MarkedYAMLError as exc:
-        raise TenantError(f"{source}: {_describe_yaml_error(exc)}") from None
-    except yaml.YAMLError as exc:
-        raise TenantError(f"{source}: invalid YAML: {exc}") from None
+        doc = load_yaml(source, text=text, lines=True)  # mappings know their lines
+    except YamlError as exc:
+        raise TenantError(str(exc)) from None
     if doc is None:
         return []
     if not isinstance(doc, dict) or set(doc) - {"tenants"}:

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-import yaml
 
 from engine.config import KNOBS, EngineConfig
 from engine.presets import model_preset
 from protocol.validators import check_bool, check_known_keys, check_number, check_positive_int
+from protocol.yaml_files import load_yaml
 
 # what a trial may not vary: which model runs, and on what
 FIXED_KNOBS = ("model", "executor", "device", "sim_clock")
@@ -204,15 +204,11 @@ def load_space_file(path: str | Path) -> Space:
     """A `--space` YAML file; ValueError naming the file and the knob for any mistake."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path)  # YamlError names the file and the line itself
     except FileNotFoundError:
         raise ValueError(f"space file {path} not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise ValueError(f"cannot read space file {path}: {exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ValueError(f"{path}{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
     try:
         return parse_space(data)
     except ValueError as exc:

@@ -293,16 +293,19 @@ def parse_workload(spec: Any, base_dir: Path | None = None) -> Workload:
 
 def load_workload_file(path: str | Path) -> MixSpec:
     """Read a YAML or JSON tenant-mix file (format in the module docstring)."""
-    import yaml  # only workload files need it
+    from protocol.yaml_files import load_yaml  # only workload files need YAML
 
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{path}: {exc}") from None
+    else:
+        data = load_yaml(path)  # YamlError names the file and the line itself
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         return _parse_mix(data, path)
-    except (ValueError, TypeError, yaml.YAMLError) as exc:
-        # Bad values, wrong types and syntax errors (JSONDecodeError is a ValueError) become
-        # one line naming the file.
+    except (ValueError, TypeError) as exc:  # bad values and wrong types: one line naming the file
         raise ValueError(f"{path}: {exc}") from None
 
 

@@ -157,7 +157,7 @@ def test_malformed_yaml_reports_line(tmp_path: Path, capsys: pytest.CaptureFixtu
     bad.write_text("tenants:\n  - name: a\n    weight: 1\n   oops: [\n")
     code, _, err = cli(capsys, "tenants", "import", str(bad), "--database",
                        f"sqlite:///{tmp_path / 'x.db'}")
-    assert code == 2 and err.count("\n") == 1 and f"{bad}: line 4" in err
+    assert code == 2 and err.count("\n") == 1 and f"{bad}:4: invalid YAML" in err
     code, _, err = cli(capsys, "tenants", "import", str(tmp_path / "missing.yaml"))
     assert code == 2 and "no such file" in err
     assert not (tmp_path / "x.db").exists()  # the file is checked before the database is opened

@@ -102,13 +102,13 @@ async def test_export_round_trip_keeps_keys_working(store: TenantStore, tmp_path
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("tenants:\n  - name: a\n    weight: [1\n", r"line \d+, column \d+: .*flow sequence on line 3"),
-        ("tenants:\n  - name: a\n    weight: 1\n   bad: x\n", "line 4"),
+        ("tenants:\n  - name: a\n    weight: [1\n", r"^<yaml>:4: invalid YAML: .*flow sequence on line 3\)$"),
+        ("tenants:\n  - name: a\n    weight: 1\n   bad: x\n", "^<yaml>:4: invalid YAML"),
         ("tenants:\n  - name: a\n  - name: b\n    weight: 0\n", "line 3: tenant #2: weight"),
         ("tenants:\n  - name: a\n  - name: b\n    limits: {max_tokens: -1}\n", "line 3.*max_tokens"),
         ("tenants:\n  - name: a\n  - name: a\n", "line 3: tenant 'a' is listed twice"),
         ("tenants:\n  - name: a\n    wieght: 2\n", "line 2: .*unknown tenant setting.*wieght; did you mean weight"),
-        ("tenants:\n  - name: a\n    weight: 1\n    weight: 2\n", "line 4.*duplicate key 'weight'"),
+        ("tenants:\n  - name: a\n    weight: 1\n    weight: 2\n", "^<yaml>:4: duplicate key 'weight'$"),
         ("tenants:\n  - name: a\n    keys: [{hash: md5:abc}]\n", "bad key entry"),
         ("tenants:\n  - weight: 2\n", "missing 'name'"),
         ("users: []\n", "one key, 'tenants'"),

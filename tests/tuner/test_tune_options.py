@@ -241,7 +241,7 @@ def test_a_spec_file_with_flags_on_top(tmp_path: Path, capsys: pytest.CaptureFix
     (tmp_path / "bad.yaml").write_text("trials: [1\n")
     assert main(["tune", "--spec", str(tmp_path / "bad.yaml")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith(f"fairgate tune: error: --spec {tmp_path / 'bad.yaml'} is not YAML")
+    assert err[-1].startswith(f"fairgate tune: error: {tmp_path / 'bad.yaml'}:2: invalid YAML")
 
 
 # ---- a job body's schema says what from_mapping takes ----------------------------------------
