@@ -19,7 +19,7 @@ run: $(STAMP)
 	$(BIN)/fairgate serve $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check fairgate protocol engine gateway tuner tenants kernels tests bench
+	$(BIN)/ruff check fairgate protocol engine gateway tuner control tenants kernels tests bench
 	$(BIN)/mypy
 
 test: $(STAMP) lint

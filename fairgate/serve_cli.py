@@ -1,13 +1,15 @@
-"""`fairgate serve [-c fairgate.yaml]`: the gateway with an embedded or remote engines."""
+"""`fairgate serve [-c fairgate.yaml]`: the gateway with an embedded or remote engines, and its
+control plane (control.app: tune jobs, canary, shadow traffic, capture, dashboard)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+from control.app import make_app
 from engine.server import freeze_startup_heap, install_fast_event_loop
 from fairgate.config import FairgateConfig
-from gateway.app import DEMO_TENANT, make_app, make_metrics_app, server_options
+from gateway.app import DEMO_TENANT, make_metrics_app, server_options
 from gateway.config import ADMIN_KEY_ENV
 from protocol.serving import serve, setup_logging
 

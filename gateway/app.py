@@ -1,6 +1,8 @@
-"""`make_app(config, engine=, database=)`: the gateway as an aiohttp application.
+"""`make_app(config, engine=, database=)`: the serving path as an aiohttp application.
 
-Everything is built here, synchronously; cleanup contexts start and stop what needs the event
+The control plane (tune jobs, canary, shadow traffic, capture, dashboard) is not built here:
+`control.app.make_app` builds this app and attaches it, subscribed to the gateway's request
+events (gateway/events.py). Everything is built here, synchronously; cleanup contexts start and stop what needs the event
 loop (database, usage ledger, engine or remote pollers, the dispatch ticker) in that order and
 stop them in reverse, so requests in flight at shutdown still find their backend.
 """
@@ -21,21 +23,19 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.config import EngineConfig
-from gateway import admin, dashboard, openapi, proxy
+from gateway import admin, openapi, proxy
 from gateway.auth import Authenticator, bearer
 from gateway.backends import Backend, BackendPool, DnsGroup, EmbeddedBackend, RemoteBackend
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.dispatch import tick
-from gateway.jobs import JobManager
 from gateway.metrics import GatewayMetrics
+from gateway.replicas.redis_fair_share import SharedFairState
+from gateway.replicas.redis_limits import KeyRevocations, SharedRateLimiter, make_limiter
 from gateway.service import Gateway
-from gateway.shared import KeyRevocations, SharedRateLimiter, make_limiter
-from gateway.shared_fair import SharedFairState
-from gateway.state import AUTH, GATEWAY, JOBS, METRICS, SETTINGS, STORE
+from gateway.state import AUTH, GATEWAY, METRICS, SETTINGS, STORE
 from protocol.errors import ApiError
 from protocol.http import error_middleware
 from tenants import DEFAULT_DATABASE_URL, TenantStore, UsageLedger
-from tenants.jobs import JobStore
 
 log = logging.getLogger("fairgate.gateway")
 SECRET_ENV = "FAIRGATE_KEY_SECRET"  # the same variable the tenants CLI reads
@@ -73,13 +73,7 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
                               failure_burst=settings.auth_failure_burst,
                               outage_grace_s=settings.auth_outage_grace_s)
     _read_at_scrape(metrics, gw, app[AUTH])
-    app[JOBS] = JobManager(JobStore(store.db), settings.jobs.storage or database,
-                           Path(settings.jobs.dir), settings.jobs.max_running,
-                           settings.admin_key,
-                           None if gw.capture is None else gw.capture.window)
-    app[JOBS].pool = pool
-    app[JOBS].shadows = gw.shadows  # a shadow job's engine keys
-    app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker, _shadows, _jobs])
+    app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker])
     if shared_state is not None:  # Redis for the rate windows: stopped first, settles drained
         app.cleanup_ctx.append(shared_state)
     if gw.shared_fair is not None:  # starts once Redis is connected, stops before it closes
@@ -91,7 +85,6 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     admin.add_routes(app)
-    dashboard.add_routes(app)
     app.router.add_get("/metrics", metrics_on_main_port)
     app.router.add_get("/health", healthz)  # the path vLLM and SGLang serve
     app.router.add_get("/healthz", healthz)
@@ -130,6 +123,9 @@ def _read_at_scrape(metrics: GatewayMetrics, gw: Gateway, auth: Authenticator) -
         metrics.read_at_scrape("fairgate_gateway_usage_dead_letters", "Usage records the "
                                "database refused, set aside with the reason",
                                lambda: ledger.dead_lettered)
+    metrics.read_at_scrape("fairgate_gateway_observer_errors", "Request observers (shadow, "
+                           "canary window, capture) that raised on a request event; the request "
+                           "went on", lambda: gw.observer_errors)
     metrics.read_at_scrape("fairgate_gateway_auth_lookup_failures", "Key lookups the tenant "
                            "database did not answer", lambda: auth.lookup_failures)
     metrics.read_at_scrape("fairgate_gateway_auth_held_back", "Unseen keys answered 429 because "
@@ -216,31 +212,6 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-async def _shadows(app: web.Application) -> AsyncIterator[None]:
-    """Shadow targets and the trace capture: started last, stopped first (the capture's last
-    lines are written after the requests in flight have settled)."""
-    gw = app[GATEWAY]
-    await gw.shadows.start()
-    if gw.capture is not None:
-        gw.capture.start()
-    try:
-        yield
-    finally:
-        await gw.shadows.close()
-        if gw.capture is not None:
-            await gw.capture.close()
-
-
-async def _jobs(app: web.Application) -> AsyncIterator[None]:
-    """Tune jobs: started last (a job's worker may call this gateway's admin API), stopped
-    first; their workers stop with the gateway and their jobs resume as `interrupted`."""
-    await app[JOBS].start()
-    try:
-        yield
-    finally:
-        await app[JOBS].close()
 
 
 # ---- metrics: per-tenant series, so never where tenants can read them -----------------------

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from engine.config import check_header_key, environment_keys
 from gateway.auth import DEFAULT_OUTAGE_GRACE_S
 from gateway.fairqueue import DISPATCH_POLICIES
-from gateway.shared import split_redis_url
+from gateway.replicas.redis_limits import split_redis_url
 from protocol.openai import MAX_MODEL_NAME, server_root
 from protocol.serving import DEFAULT_HEADER_TIMEOUT_S
 from protocol.validators import (
@@ -105,7 +105,7 @@ MODEL_NAME_PATTERN = rf"^[^\x00-\x1f\x7f-\x9f]{{1,{MAX_MODEL_NAME}}}$"
 
 @dataclass(frozen=True)
 class ShadowConfig:
-    """A shadow target (gateway/shadow.py): a candidate engine that receives a sample of the
+    """A shadow target (control/shadow.py): a candidate engine that receives a sample of the
     admitted live requests; its answers are measured and thrown away."""
 
     name: str
@@ -182,7 +182,7 @@ class ShadowConfig:
 
 @dataclass(frozen=True)
 class CaptureConfig:
-    """Trace capture (gateway/capture.py): served requests as a fairgate JSONL trace."""
+    """Trace capture (control/capture.py): served requests as a fairgate JSONL trace."""
 
     path: str
     sample: float = 1.0
@@ -215,7 +215,7 @@ class CaptureConfig:
 
 @dataclass(frozen=True)
 class JobsConfig:
-    """Tuning jobs (gateway/jobs.py): where their outputs go and how many run at once."""
+    """Tuning jobs (control/jobs.py): where their outputs go and how many run at once."""
 
     dir: str = "fairgate-jobs"  # one folder per job: best.yaml, the reports, the worker's log
     max_running: int = 1  # jobs running at once, oldest first; 0: this gateway runs none
@@ -338,7 +338,7 @@ class GatewayConfig:
     # Kubernetes' default 30 s grace period, beside the streams it drains)
     usage_shutdown_flush_s: float = 10.0
     # redis://host:port/db[?key_prefix=name]: the requests/min and tokens/min windows shared by
-    # every replica (gateway/shared.py); None: each replica keeps its own
+    # every replica (gateway/replicas/redis_limits.py); None: each replica keeps its own
     redis: str | None = None
 
     def __post_init__(self) -> None:

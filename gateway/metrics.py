@@ -89,7 +89,7 @@ class GatewayMetrics:
                                        ["reason"], registry=r)
         self.outliers = BackendOutliers()  # ejected replicas (gateway/outlier.py)
         r.register(self.outliers)
-        # shadow traffic (gateway/shadow.py): copies, never part of a tenant's figures
+        # shadow traffic (control/shadow.py): copies, never part of a tenant's figures
         self.shadow_sent = Counter("fairgate_gateway_shadow_sent_total",
                                    "Copies of live requests sent to a shadow target", ["shadow"],
                                    registry=r)
@@ -209,7 +209,7 @@ class _ReadAtScrape(Collector):
 
 class ShadowHistograms(Collector):
     """fairgate_gateway_shadow_ttft_seconds and _itl_seconds: histograms whose observations are
-    made in the shadow sender process (gateway/shadow_worker.py) and arrive here as bucket
+    made in the shadow sender process (control/shadow_worker.py) and arrive here as bucket
     counts, one addition per batch instead of one observation per token on the live loop."""
 
     SERIES = (("fairgate_gateway_shadow_ttft_seconds",

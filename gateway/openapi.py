@@ -2,8 +2,8 @@
 
 The request, response and error bodies are `protocol.openapi`'s (written from the field table
 `parse_request` reads); the tenant bodies come from `tenants.values`' dataclass fields; every
-route the gateway serves is one `Route` below (tests/gateway/test_openapi.py checks the list
-against the app's router).
+route the gateway serves is one `Route` below, and the control plane adds its own (`ApiParts`,
+control/openapi.py; tests/gateway/test_openapi.py checks the list against the app's router).
 """
 
 from __future__ import annotations
@@ -17,23 +17,6 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.admin import CAPTURE_MEDIA_TYPE, MAX_CAPTURE_LIMIT
-from gateway.canary import MAX_CANARY_WEIGHT
-from gateway.config import (
-    BACKEND_KINDS,
-    MODEL_NAME_PATTERN,
-    SHADOW_NAME_PATTERN,
-    SHADOW_URL_PATTERN,
-)
-from gateway.jobs import (
-    JOB_FILES,
-    JOB_ID_PATTERN,
-    JOB_RULES,
-    MAX_PROFILE_BYTES,
-    PROFILE_NAME_PATTERN,
-    SIM_PROFILE_SCHEMA,
-    job_spec_schema,
-)
 from protocol import openapi as protocol_schemas
 from protocol.openapi import Schema, nullable
 from protocol.priority import PRIORITIES
@@ -114,125 +97,30 @@ def default_priority_allowed() -> list[Schema]:
         {"if": {"not": {"required": ["default_priority"]}}, "then": allowed(default)}]
 
 
-def _object(**properties: Schema) -> Schema:
+def object_schema(**properties: Schema) -> Schema:
     return {"type": "object", "required": list(properties), "properties": properties}
 
 
 STRING: Schema = {"type": "string"}
 COUNT: Schema = {"type": "integer", "minimum": 0}
-SHADOW_NAME: Schema = {"type": "string", "pattern": SHADOW_NAME_PATTERN}
-_SHADOW_URL: Schema = {"type": "string", "description": "http(s)://host[:port][/v1]",
-                       "pattern": SHADOW_URL_PATTERN}
-_SHADOW_CHANGE: dict[str, Schema] = {
-    "sample": {"type": "number", "minimum": 0, "maximum": 1},
-    "tenants": {"oneOf": [{"const": "all"}, {"type": "array", "minItems": 1,
-                                             "items": TENANT_NAME}]},
-    "max_inflight": {"type": "integer", "minimum": 1, "maximum": 1024},
-    "max_queue": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
-    "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400}}
-
 GATEWAY_SCHEMAS: dict[str, Schema] = {
     "TenantCreate": tenant_create_schema(),
     "Tenant": dataclass_schema(TenantInfo),
-    "TenantList": _object(data={"type": "array", "items": dataclass_schema(TenantInfo)}),
-    "Key": _object(id=STRING, tenant=STRING, key={**STRING, "description": "The key's "
+    "TenantList": object_schema(data={"type": "array", "items": dataclass_schema(TenantInfo)}),
+    "Key": object_schema(id=STRING, tenant=STRING, key={**STRING, "description": "The key's "
                                                   "plaintext: shown this once, never again."}),
     "KeyInfo": {**dataclass_schema(KeyInfo), "description": "A key's public facts (never the "
                 "key)."},
-    "ModelList": _object(object={"const": "list"}, data={"type": "array", "items": _object(
+    "ModelList": object_schema(object={"const": "list"}, data={"type": "array", "items": object_schema(
         id=STRING, object={"const": "model"}, created=COUNT, owned_by=STRING)}),
-    "TenantUsage": _object(object={"const": "usage"}, tenant=STRING,
+    "TenantUsage": object_schema(object={"const": "usage"}, tenant=STRING,
                            window_s={"type": ["number", "null"]}, requests=COUNT,
                            prompt_tokens=COUNT, completion_tokens=COUNT,
                            by_status={"type": "object", "additionalProperties": COUNT,
                                       "description": "requests by HTTP status"}),
-    "Queues": _object(policy=STRING, tenants={"type": "object"},
+    "Queues": object_schema(policy=STRING, tenants={"type": "object"},
                       backends={"type": "array", "items": {"type": "object"}}),
-    "ShadowCreate": {"type": "object", "required": ["name", "url"],
-                     "additionalProperties": False,
-                     "properties": {"name": SHADOW_NAME, "url": _SHADOW_URL,
-                                    "kind": {"enum": list(BACKEND_KINDS)},
-                                    "model": nullable({"type": "string",
-                                                       "pattern": MODEL_NAME_PATTERN}),
-                                    "api_key": nullable({"type": "string",
-                                                         "pattern": "^[!-~]+$"}),
-                                    "admin_key": nullable({"type": "string",
-                                                           "pattern": "^[!-~]+$"}),
-                                    **_SHADOW_CHANGE}},
-    "ShadowChange": {"type": "object", "additionalProperties": False,
-                     "properties": _SHADOW_CHANGE},
-    "Shadow": _object(name=STRING, url=STRING, kind=STRING, sample={"type": "number"},
-                      queued=COUNT, sent=COUNT, dropped=COUNT, failed=COUNT, pairs=COUNT),
-    "ShadowList": _object(shadows={"type": "array", "items": {"$ref": "#/components/schemas/Shadow"}}),
-    "ShadowStats": {"type": "object", "description": "The pairs completed in the window: "
-                    "live and shadow percentiles (ttft, tpot and e2e per request; itl over "
-                    "every gap), SLO attainment per tenant (slo_attainment: requests within "
-                    "their TTFT and TPOT targets; itl_attainment: gaps within the ITL target), "
-                    "shadow/live ratios and p99 differences with a 95% bootstrap interval "
-                    "(ttft, tpot, e2e).",
-                    "properties": {"name": STRING, "window_s": {"type": "number"},
-                                   "pairs": COUNT, "mirrored_rate_rps": {"type": "number"},
-                                   "note": STRING, "live": {"type": "object"},
-                                   "shadow": {"type": "object"},
-                                   "ratio": {"type": "object"},
-                                   "p99_difference": {"type": "object"}}},
-    "TuneJob": {"type": "object", "required": ["id", "state", "spec", "progress"],
-                "description": "A job: its state, progress (trials done of planned, elapsed, "
-                               "estimate left), best trial so far, links to its files, the "
-                               "apply's steps, and (one job) every trial.",
-                "properties": {"id": STRING, "state": {"enum": [
-                    "queued", "running", "succeeded", "failed", "cancelled", "interrupted"]},
-                    "spec": {"type": "object"}, "progress": {"type": "object"},
-                    "best": nullable({"type": "object"}), "apply": nullable({"type": "object"}),
-                    "links": {"type": "object"}, "trials": {"type": "array"}}},
-    "TuneJobList": _object(jobs={"type": "array", "items": {"$ref": "#/components/schemas/TuneJob"}}),
-    "TuneApply": {"type": "object", "required": ["backend"], "additionalProperties": False,
-                  "properties": {"backend": {**STRING, "description": "The replica to try the "
-                                             "config on first (its URL)."},
-                                 "canary_window_s": {"type": "number", "exclusiveMinimum": 0,
-                                                     "maximum": 86400},
-                                 "min_requests": {"type": "integer", "minimum": 1,
-                                                  "maximum": 1000000},
-                                 "max_wait_s": {"type": "number", "exclusiveMinimum": 0,
-                                                "maximum": 604800},
-                                 "canary_weight": {
-                                     "type": "number", "exclusiveMinimum": 0,
-                                     "maximum": MAX_CANARY_WEIGHT,
-                                     "description": "The most of its model's requests the "
-                                     "canary is sent while it is judged (default: an even "
-                                     "share of the model's replicas, at most 0.25; a model "
-                                     "with one replica sends it all of them)."}}},
-    "TuneApplyRecord": {"type": "object", "required": ["state", "backend", "steps"],
-                        "properties": {"state": {"enum": [
-                            "applying", "canary", "promoting", "promoted", "rolling_back",
-                            "rolled_back", "failed"]}, "backend": STRING,
-                            "config": {"type": "object"}, "previous": {"type": "object"},
-                            "steps": {"type": "array"}}},
-    "SloTenants": _object(generated_at={"type": "number"}, target={"type": "number"},
-                          tenants={"type": "array", "items": {"type": "object"}}, note=STRING),
-    "SloTenant": {"type": "object", "required": ["name", "slo", "series", "state"],
-                  "properties": {"name": STRING, "slo": {"$ref": "#/components/schemas/SloTargets"},
-                                 "series": {"type": "array"}, "state": STRING}},
-    "SloTargets": {"type": "object", "required": ["ttft_p99_s", "tpot_p99_s", "itl_p99_s"],
-                   "description": "A tenant's p99 targets: TTFT and TPOT per request, ITL per "
-                                  "gap between two tokens pooled over requests (null: none).",
-                   "properties": {name: nullable({"type": "number"}) for name in (
-                       "ttft_p99_s", "tpot_p99_s", "itl_p99_s")}},
-    "Engines": _object(generated_at={"type": "number"}, engines={"type": "array"},
-                       jobs_running=COUNT),
-    "Deleted": _object(deleted=STRING),
-    "SimProfile": SIM_PROFILE_SCHEMA,
-    "SimProfileInfo": {"type": "object", "required": ["name"],
-                       "description": "A held profile: what was measured, its context and KV "
-                                      "cache and its fit; or, a file put there by hand that "
-                                      "does not load, why (`error`).",
-                       "properties": {"name": STRING, "model": STRING, "device": STRING,
-                                      "dtype": STRING, "max_position": COUNT,
-                                      "kv_tokens": COUNT, "fit": {"type": "object"},
-                                      "error": STRING}},
-    "SimProfileList": _object(profiles={"type": "array",
-                                        "items": {"$ref": "#/components/schemas/SimProfileInfo"}}),
-    "Health": _object(status={"const": "ok"}),
+    "Health": object_schema(status={"const": "ok"}),
     "Ready": {"type": "object", "required": ["ready"],
               "properties": {"ready": {"type": "boolean"}, "checks": {"type": "object"}}},
 }
@@ -261,25 +149,25 @@ ERRORS: dict[int, str] = {
 
 def _error_response(status: int) -> Schema:
     response: Schema = {"description": ERRORS[status], "content": {
-        "application/json": {"schema": _ref("Error")}}}
+        "application/json": {"schema": ref("Error")}}}
     if status in (429, 503):
         response["headers"] = RETRY_AFTER
     return response
 
 
-def _ref(name: str) -> Schema:
+def ref(name: str) -> Schema:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _json(name: str, description: str) -> Schema:
-    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+def json_answer(name: str, description: str) -> Schema:
+    return {"description": description, "content": {"application/json": {"schema": ref(name)}}}
 
 
 def _answer(name: str, event: str) -> Schema:
     return {"description": "The answer: whole, or with \"stream\": true as server-sent events "
                            "(the schema of text/event-stream is one event's).",
-            "content": {"application/json": {"schema": _ref(name)},
-                        "text/event-stream": {"schema": _ref(event)}}}
+            "content": {"application/json": {"schema": ref(name)},
+                        "text/event-stream": {"schema": ref(event)}}}
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -298,21 +186,11 @@ class Route:
 
 
 _INFERENCE_ERRORS = (400, 401, 403, 404, 408, 413, 429, 502, 503, 504)
-_WINDOW = {"name": "window_s", "in": "query", "required": False,
+WINDOW_PARAM = {"name": "window_s", "in": "query", "required": False,
            "description": "Only the last window_s seconds; omitted: all time.",
            "schema": {"type": "number", "exclusiveMinimum": 0}}
-_TENANT = {"name": "name", "in": "path", "required": True, "schema": TENANT_NAME}
-_SHADOW = {"name": "name", "in": "path", "required": True, "schema": SHADOW_NAME}
-_JOB = {"name": "id", "in": "path", "required": True,
-        "schema": {"type": "string", "pattern": JOB_ID_PATTERN}}
-_PROFILE = {"name": "name", "in": "path", "required": True,
-            "schema": {"type": "string", "pattern": PROFILE_NAME_PATTERN}}
+TENANT_PARAM = {"name": "name", "in": "path", "required": True, "schema": TENANT_NAME}
 MIN_TOKENS_RULE = "min_tokens must not exceed max_tokens (a 400 names min_tokens)."
-
-
-def _epoch_param(name: str, description: str) -> Schema:
-    return {"name": name, "in": "query", "required": False, "description": description,
-            "schema": {"type": "number", "minimum": 0}}
 
 
 ROUTES = (
@@ -325,134 +203,35 @@ ROUTES = (
           description="min_tokens must not exceed max_tokens (or max_completion_tokens, which "
                       "wins over it; a 400 names min_tokens)."),
     Route("get", "/v1/models", "The models this gateway serves.",
-          {200: _json("ModelList", "The models.")}, (401, 429, 503), "tenantKey"),
+          {200: json_answer("ModelList", "The models.")}, (401, 429, 503), "tenantKey"),
     Route("get", "/v1/usage", "The caller's own tenant's usage.",
-          {200: _json("TenantUsage", "Requests and tokens.")}, (400, 401, 404, 429, 503),
-          "tenantKey", parameters=(_WINDOW,)),
-    Route("get", "/admin/tenants", "Every tenant.", {200: _json("TenantList", "The tenants.")},
+          {200: json_answer("TenantUsage", "Requests and tokens.")}, (400, 401, 404, 429, 503),
+          "tenantKey", parameters=(WINDOW_PARAM,)),
+    Route("get", "/admin/tenants", "Every tenant.", {200: json_answer("TenantList", "The tenants.")},
           (401, 404, 503), "adminKey"),
-    Route("post", "/admin/tenants", "Create a tenant.", {201: _json("Tenant", "Created.")},
+    Route("post", "/admin/tenants", "Create a tenant.", {201: json_answer("Tenant", "Created.")},
           (400, 401, 404, 408, 409, 413, 503), "adminKey", "TenantCreate",
           description="default_priority must be one of allowed_priorities (the schema says so "
                       "too); a name already taken is a 409."),
     Route("post", "/admin/tenants/{name}/keys", "A new API key for a tenant.",
-          {201: _json("Key", "Created.")}, (400, 401, 404, 503), "adminKey",
-          parameters=(_TENANT,)),
+          {201: json_answer("Key", "Created.")}, (400, 401, 404, 503), "adminKey",
+          parameters=(TENANT_PARAM,)),
     Route("delete", "/admin/keys/{id}", "Revoke a key (idempotent): refused at once here, and "
           "on the other replicas at once with gateway.redis (else within their 5 s key cache).",
-          {200: _json("KeyInfo", "Revoked.")}, (401, 404, 503), "adminKey",
+          {200: json_answer("KeyInfo", "Revoked.")}, (401, 404, 503), "adminKey",
           parameters=({"name": "id", "in": "path", "required": True,
                        "schema": {"type": "string", "pattern": KEY_ID_PATTERN}},)),
     Route("get", "/admin/usage/{name}", "A tenant's usage.",
-          {200: _json("TenantUsage", "Requests and tokens.")}, (400, 401, 404, 503), "adminKey",
-          parameters=(_TENANT, _WINDOW)),
+          {200: json_answer("TenantUsage", "Requests and tokens.")}, (400, 401, 404, 503), "adminKey",
+          parameters=(TENANT_PARAM, WINDOW_PARAM)),
     Route("get", "/admin/queues", "The fair queue and the backends, now.",
-          {200: _json("Queues", "The queues.")}, (401, 404), "adminKey"),
-    Route("get", "/admin/shadow", "The shadow targets and their counters.",
-          {200: _json("ShadowList", "The targets.")}, (401, 404), "adminKey"),
-    Route("post", "/admin/shadow", "Start a shadow target, or replace the one of that name.",
-          {200: _json("Shadow", "Replaced."), 201: _json("Shadow", "Started.")},
-          (400, 401, 404, 408, 413), "adminKey", "ShadowCreate"),
-    Route("patch", "/admin/shadow/{name}", "Change a target's sample, tenants or bounds.",
-          {200: _json("Shadow", "Changed.")}, (400, 401, 404, 408, 413), "adminKey",
-          "ShadowChange", parameters=(_SHADOW,)),
-    Route("delete", "/admin/shadow/{name}", "Stop a shadow target.",
-          {200: _json("Deleted", "Stopped.")}, (401, 404), "adminKey", parameters=(_SHADOW,)),
-    Route("get", "/admin/shadow/{name}/stats", "Paired live and shadow latency over a window.",
-          {200: _json("ShadowStats", "The pairs' statistics.")}, (400, 401, 404), "adminKey",
-          parameters=(_SHADOW, {"name": "window", "in": "query", "required": False,
-                                "description": "Seconds (default 300).",
-                                "schema": {"type": "number", "exclusiveMinimum": 0}},
-                      {"name": "sent_after", "in": "query", "required": False,
-                       "description": "Only copies sent after this time (epoch seconds).",
-                       "schema": {"type": "number"}},
-                      {"name": "detail", "in": "query", "required": False,
-                       "description": "1: every pair's [ttft, tpot, e2e, tokens, ok].",
-                       "schema": {"enum": ["0", "1", "true", "false"]}})),
-    Route("get", "/admin/capture", "The captured requests of a time span, as a fairgate trace.",
-          {200: {"description": "A fairgate JSONL trace (tuner/traces.py): a header comment, "
-                                "then one request a line, the first at arrival 0; empty when "
-                                "no request arrived in the span.",
-                 "content": {CAPTURE_MEDIA_TYPE: {"schema": STRING}}}},
-          (400, 401, 404, 503), "adminKey", description="until must be after since (a 400 "
-          "names until).",
-          parameters=(_epoch_param("since", "From this time (epoch seconds; default 0)."),
-                      _epoch_param("until", "Before this time (epoch seconds; default: now)."),
-                      {"name": "limit", "in": "query", "required": False,
-                       "description": "Only the most recent N requests of the span.",
-                       "schema": {"type": "integer", "minimum": 1,
-                                  "maximum": MAX_CAPTURE_LIMIT}})),
-    Route("post", "/admin/tune-jobs", "Start a tuning job (queued behind the running ones).",
-          {201: _json("TuneJob", "Queued.")}, (400, 401, 404, 408, 409, 413, 503), "adminKey",
-          "TuneJobSpec", description=JOB_RULES),
-    Route("get", "/admin/tune-jobs", "Every tuning job.", {200: _json("TuneJobList", "Jobs.")},
-          (401, 404, 503), "adminKey"),
-    Route("get", "/admin/tune-jobs/{id}", "A job with its trials.",
-          {200: _json("TuneJob", "The job.")}, (401, 404, 503), "adminKey",
-          parameters=(_JOB,)),
-    Route("delete", "/admin/tune-jobs/{id}", "Cancel a job: its running trial stops and its "
-          "engine goes back to its knobs.", {200: _json("TuneJob", "Cancelled.")},
-          (401, 404, 409, 503), "adminKey", parameters=(_JOB,)),
-    Route("post", "/admin/tune-jobs/{id}/resume", "Queue an interrupted, failed or cancelled "
-          "job again; its study keeps every finished trial.",
-          {200: _json("TuneJob", "Queued.")}, (401, 404, 409, 503), "adminKey",
-          parameters=(_JOB,)),
-    Route("post", "/admin/tune-jobs/{id}/apply", "Apply the job's best config to one replica "
-          "as a canary, then promote it or roll it back on live SLOs.",
-          {202: _json("TuneApplyRecord", "Started; the job's `apply` shows each step.")},
-          (400, 401, 404, 408, 409, 413, 503), "adminKey", "TuneApply", parameters=(_JOB,)),
-    Route("get", "/admin/tune-jobs/{id}/files/{name}", "One of a job's files.",
-          {200: {"description": "The file.", "content": {
-              t: {"schema": STRING} for t in ("text/html", "text/markdown", "application/yaml",
-                                               "text/csv", "text/plain")}}},
-          (401, 404, 503), "adminKey",
-          parameters=(_JOB, {"name": "name", "in": "path", "required": True,
-                             "schema": {"enum": list(JOB_FILES)}})),
-    Route("get", "/admin/sim-profiles", "The sim profiles a tune job may name "
-          "(set.sim_profile).", {200: _json("SimProfileList", "The profiles.")}, (401, 404),
-          "adminKey"),
-    Route("put", "/admin/sim-profiles/{name}", "Upload a `fairgate tune calibrate` profile "
-          "under a name: a tune job's set.sim_profile names it.",
-          {200: _json("SimProfileInfo", "Replaced."), 201: _json("SimProfileInfo", "Kept.")},
-          (400, 401, 404, 408, 413, 503), "adminKey", "SimProfile", (_PROFILE,),
-          description=f"The profile as `fairgate tune calibrate --out` writes it (YAML; JSON "
-                      f"too), at most {MAX_PROFILE_BYTES} bytes, checked as the simulator loads "
-                      "it and kept by the gateway (jobs.dir/sim-profiles, mode 0600).",
-          body_types=("application/yaml", "application/json")),
-    Route("get", "/admin/slo/tenants", "Every tenant's latency against its SLO: attainment "
-          "over 1 h, 24 h and 30 days (of requests: TTFT and TPOT, together and each; of gaps: "
-          "ITL), the 30-day error budget left, burn rates over 1 h and 6 h (requests', and "
-          "gaps' as itl_*), its state (ok, at_risk, breaching, no_data: the worse of the two).",
-          {200: _json("SloTenants", "The tenants.")}, (401, 404, 503), "adminKey"),
-    Route("get", "/admin/slo/tenants/{name}", "One tenant's SLO figures, limits, queue and "
-          "series minute by minute.", {200: _json("SloTenant", "The tenant.")},
-          (400, 401, 404, 503), "adminKey",
-          parameters=(_TENANT, {"name": "hours", "in": "query", "required": False,
-                                "description": "The series' span (default 6).",
-                                "schema": {"type": "number", "exclusiveMinimum": 0,
-                                           "maximum": 168}})),
-    Route("get", "/admin/engines", "Per backend: health, load, knobs and signs of trouble.",
-          {200: _json("Engines", "The engines.")}, (401, 404), "adminKey"),
-    Route("get", "/dashboard", "The SLO dashboard (HTML): the login form first without a "
-          "session.", {200: {"description": "The page.",
-                             "content": {"text/html": {"schema": STRING}}},
-                       303: {"description": "To /dashboard/login."}}, (401, 404, 429)),
-    Route("get", "/dashboard/app.js", "The dashboard's script (served by fairgate; no CDN).",
-          {200: {"description": "JavaScript.",
-                 "content": {"text/javascript": {"schema": STRING}}}}),
-    Route("get", "/dashboard/login", "The dashboard's login form.",
-          {200: {"description": "The form.", "content": {"text/html": {"schema": STRING}}}}),
-    Route("post", "/dashboard/login", "Log in with the admin key (a form field `key`): a "
-          "Secure, HTTP-only, SameSite=Strict session cookie.",
-          {303: {"description": "To the dashboard, or back to the form."}}, (403, 404, 429)),
-    Route("post", "/dashboard/logout", "End the session.",
-          {303: {"description": "To the login form."}}, (403,)),
+          {200: json_answer("Queues", "The queues.")}, (401, 404), "adminKey"),
     Route("get", "/health", "Liveness (the path vLLM and SGLang serve).",
-          {200: _json("Health", "Alive.")}),
-    Route("get", "/healthz", "Liveness.", {200: _json("Health", "Alive.")}),
+          {200: json_answer("Health", "Alive.")}),
+    Route("get", "/healthz", "Liveness.", {200: json_answer("Health", "Alive.")}),
     Route("get", "/readyz", "Readiness: a backend is reachable (the database away is reported "
           "as degraded, not unready).",
-          {200: _json("Ready", "Ready."), 503: _json("Ready", "Not ready, and why.")}),
+          {200: json_answer("Ready", "Ready."), 503: json_answer("Ready", "Not ready, and why.")}),
     Route("get", "/metrics", "Prometheus metrics (only with gateway.metrics_token here; the "
           "metrics listener serves them too).",
           {200: {"description": "The Prometheus text format.",
@@ -482,17 +261,30 @@ def _operation(route: Route) -> Schema:
         operation["security"] = [{route.security: []}]
     if route.body is not None:
         operation["requestBody"] = {"required": True, "content": {
-            media: {"schema": _ref(route.body)} for media in route.body_types}}
+            media: {"schema": ref(route.body)} for media in route.body_types}}
     if route.parameters:
         operation["parameters"] = list(route.parameters)
     return operation
 
 
+@dataclass(frozen=True, eq=False)  # hashed by identity: document() keeps one per parts
+class ApiParts:
+    """The routes and component schemas a layer above the gateway adds to its document (the
+    control plane's: control/openapi.py), set on the app under OPENAPI_PARTS."""
+
+    routes: tuple[Route, ...]
+    schemas: dict[str, Schema]
+
+
+OPENAPI_PARTS = web.AppKey("openapi_parts", ApiParts)
+
+
 @functools.cache
-def document() -> Schema:
-    """The whole document (built once: it depends on no setting)."""
+def document(parts: ApiParts | None = None) -> Schema:
+    """The whole document, the serving path's routes and `parts`' (built once: it depends on
+    no setting)."""
     paths: dict[str, Schema] = {}
-    for route in ROUTES:
+    for route in ROUTES + (parts.routes if parts else ()):
         paths.setdefault(route.path, {})[route.method] = _operation(route)
     return {"openapi": protocol_schemas.OPENAPI_VERSION,
             "info": {"title": "fairgate gateway", "version": _version(),
@@ -500,7 +292,7 @@ def document() -> Schema:
                                     "fairly between tenants."},
             "paths": paths,
             "components": {"schemas": {**protocol_schemas.schemas(), **GATEWAY_SCHEMAS,
-                                       "TuneJobSpec": job_spec_schema()},
+                                       **(parts.schemas if parts else {})},
                            "securitySchemes": SECURITY_SCHEMES}}
 
 
@@ -512,4 +304,4 @@ def _version() -> str:
 
 
 async def openapi_json(request: web.Request) -> web.Response:
-    return web.json_response(document())
+    return web.json_response(document(request.app.get(OPENAPI_PARTS)))

@@ -178,5 +178,6 @@ async def _pump(request: web.Request, resp: web.StreamResponse, adm: Admission, 
 
 async def _write(resp: web.StreamResponse, chunk: bytes, adm: Admission) -> None:
     await resp.write(chunk)
+    adm.streamed()  # the first token's event, once it is written
     if chunk.endswith(DONE):  # a backend's stream ends with it (after any usage chunk)
         adm.settle(200)

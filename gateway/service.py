@@ -15,7 +15,9 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from engine.openai_api import sampling_params
 from gateway.admission import (
@@ -28,14 +30,12 @@ from gateway.admission import (
     estimate_cost,
 )
 from gateway.backends import Backend, BackendPool, Job, Outcome
-from gateway.canary import ServedWindow
-from gateway.capture import TraceCapture
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
+from gateway.events import FirstToken, RequestAdmitted, RequestFinished, RequestObserver
 from gateway.fairqueue import FairQueue, QueueBounds, QueuedRequest, QueueFull
 from gateway.metrics import GatewayMetrics
-from gateway.shadow import ShadowSet
-from gateway.shared_fair import SharedFairState
+from gateway.replicas.redis_fair_share import SharedFairState
 from protocol.errors import ApiError, bad_request
 from protocol.measures import RequestTiming
 from protocol.openai import OpenAIRequest, prompt_text, resolve_max_tokens
@@ -52,6 +52,7 @@ log = logging.getLogger("fairgate.gateway")
 _ids = itertools.count()
 _ID_PREFIX = os.urandom(4).hex()
 PREFIX_CHUNK_CHARS = 256  # prefix routing keys a prompt at every multiple of this
+Event = TypeVar("Event", RequestAdmitted, FirstToken, RequestFinished)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Admission:
     dispatched_at: float | None = None
     outcome: Outcome = field(init=False)
     settled: bool = False
+    first_token_published: bool = False
 
     def __post_init__(self) -> None:
         self.outcome = Outcome(prompt_tokens=self.cost.prompt_tokens)
@@ -101,19 +103,30 @@ class Admission:
         self.settled = True
         self.gateway.finish(self, status)
 
+    def streamed(self) -> None:
+        """A chunk of its stream was written to the client: the first with a token publishes
+        `first_token`."""
+        times = self.outcome.chunk_times
+        if self.first_token_published or not times or self.backend is None:
+            return
+        self.first_token_published = True
+        event = FirstToken(self.job.request_id, self.tenant.name, self.backend.name,
+                           self.arrival, times[0])
+        for observer in self.gateway.observers:
+            self.gateway.notify(observer.first_token, event)
+
 
 class Gateway:
     def __init__(self, config: GatewayConfig, pool: BackendPool, ledger: UsageLedger | None,
                  metrics: GatewayMetrics, limiter: Limiter | None = None) -> None:
         self.config = config
-        self.shadows = ShadowSet(config.shadow, metrics)
-        self.served = ServedWindow()  # live requests by backend: what a canary is judged on
-        self.capture = None if config.capture is None else TraceCapture(config.capture)
+        self.observers: list[RequestObserver] = []  # gateway/events.py: the layers above
+        self.observer_errors = 0  # observers that raised (logged; the request went on)
         self.pool = pool
         self.ledger = ledger
         self.metrics = metrics
-        self.limiter: Limiter = limiter or RateLimiter()  # gateway.shared: through Redis
-        # gateway.redis: queue bounds and fair share over replicas (gateway/shared_fair.py)
+        self.limiter: Limiter = limiter or RateLimiter()  # gateway.redis: gateway/replicas
+        # gateway.redis: queue bounds and fair share over replicas (replicas/redis_fair_share.py)
         self.shared_fair: SharedFairState | None = None
         self.estimator = OutputEstimator()
         self.queue = FairQueue(config.dispatch)
@@ -148,9 +161,27 @@ class Gateway:
             self.limiter.refund(charge)
             self.metrics.child("rejections", tenant.name, exc.reason).inc()
             raise ApiError(429, str(exc), code=exc.reason, retry_after=exc.retry_after) from None
-        if self.shadows:  # admitted: a copy may go to the shadow targets (never waited on)
-            self.shadows.offer(job, tenant.slo)
+        admitted = RequestAdmitted(job, tenant.slo, adm.arrival)
+        for observer in self.observers:
+            self.notify(observer.admitted, admitted)
         return adm, future
+
+    # ---- request events (gateway/events.py) ---------------------------------------------------
+    def add_observer(self, observer: RequestObserver) -> None:
+        self.observers = [*self.observers, observer]  # copied: one may be added mid-publish
+
+    def remove_observer(self, observer: RequestObserver) -> None:
+        self.observers = [o for o in self.observers if o is not observer]
+
+    def notify(self, method: Callable[[Event], None], event: Event) -> None:
+        """One observer's `method` with `event`: one that raises is logged and counted, never
+        the request's failure."""
+        try:
+            method(event)
+        except Exception:
+            self.observer_errors += 1
+            log.exception("request observer %s failed on %s", method.__qualname__,
+                          type(event).__name__)
 
     def _affinity(self, tenant: TenantInfo, req: OpenAIRequest) -> tuple[int, ...]:
         """Prefix routing's keys: hashes of the tenant (the prefix cache's salt) and the
@@ -253,15 +284,11 @@ class Gateway:
             if status == 200 and out.finish_reason is not None:
                 self.estimator.observe(adm.tenant.name, out.completion_tokens)
         timing = adm.timing(status)
-        if adm.backend is not None:
-            tenant = adm.tenant
-            self.served.record(adm.backend.name, tenant.name, tenant.slo, timing)
-        if self.shadows:
-            self.shadows.live_done(adm.job.request_id, timing)
-        if self.capture is not None and status == 200:
-            job = adm.job
-            self.capture.record(job.req, job.tenant, job.priority, adm.arrival,
-                                out.prompt_tokens, out.completion_tokens, job.req.max_tokens)
+        finished = RequestFinished(adm.job, adm.tenant.slo, status,
+                                   adm.backend.name if adm.backend else None, timing,
+                                   out.prompt_tokens, out.completion_tokens)
+        for observer in self.observers:
+            self.notify(observer.finished, finished)
         self._observe(adm, status, ran, timing)
         self._record(adm, status, timing)
 

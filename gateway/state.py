@@ -6,7 +6,6 @@ from aiohttp import web
 
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
-from gateway.jobs import JobManager
 from gateway.metrics import GatewayMetrics
 from gateway.service import Gateway
 from tenants import TenantStore
@@ -16,4 +15,3 @@ GATEWAY = web.AppKey("gateway", Gateway)
 AUTH = web.AppKey("gateway_auth", Authenticator)
 METRICS = web.AppKey("gateway_metrics", GatewayMetrics)
 STORE = web.AppKey("tenant_store", TenantStore)
-JOBS = web.AppKey("tune_jobs", JobManager)

@@ -1,4 +1,4 @@
-"""Tuning jobs' rows (`fg_tune_jobs`): what gateway/jobs.py keeps so that a job outlives the
+"""Tuning jobs' rows (`fg_tune_jobs`): what control/jobs.py keeps so that a job outlives the
 gateway process that runs it. A state change is one conditional UPDATE (`transition`), so two
 callers racing (a cancel and a worker's exit, two gateways) cannot both win."""
 

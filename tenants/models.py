@@ -158,7 +158,7 @@ class UsageDeadLetterRow(Base):
 
 
 class TuneJobRow(Base):
-    """A tuning job (gateway/jobs.py): its spec, its state, and what its apply did. The study
+    """A tuning job (control/jobs.py): its spec, its state, and what its apply did. The study
     itself is Optuna's, in its own tables (named `study`), beside this one."""
 
     __tablename__ = "fg_tune_jobs"

@@ -1,6 +1,8 @@
-"""Packages depend downward only: fairgate -> gateway -> engine, tenants, tuner -> protocol;
-engine -> kernels; tuner -> engine, protocol. Nothing below imports fairgate, and nothing but
-fairgate imports gateway."""
+"""Packages depend downward only: fairgate -> control -> gateway, tuner -> engine, tenants ->
+protocol; engine -> kernels. The control plane (tune jobs, canary, shadow, capture, dashboard)
+sits above the serving path and the tuner: gateway imports neither (it publishes request events
+that control subscribes to, gateway/events.py). Nothing below imports fairgate, and nothing but
+fairgate imports control."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"protocol", "kernels"},
     "tenants": {"protocol"},
     "tuner": {"engine", "protocol"},
-    "gateway": {"engine", "tenants", "protocol", "tuner"},  # tune jobs check specs, read studies
-    "fairgate": {"gateway", "engine", "tenants", "tuner", "protocol", "kernels"},
+    "gateway": {"engine", "tenants", "protocol"},
+    "control": {"gateway", "tuner", "engine", "tenants", "protocol"},  # jobs check specs, read studies
+    "fairgate": {"control", "gateway", "engine", "tenants", "tuner", "protocol", "kernels"},
 }
 
 

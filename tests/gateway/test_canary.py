@@ -21,8 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.backends import BackendPool
-from gateway.canary import (
+from control.canary import (
     MAX_CANARY_WEIGHT,
     REFERENCE,
     TICK_S,
@@ -38,7 +37,8 @@ from gateway.canary import (
     side,
     sprt,
 )
-from gateway.openapi import document
+from control.openapi import document
+from gateway.backends import BackendPool
 from protocol.measures import SLO, RequestTiming
 from tests.gateway.helpers import collect, completion, start_gateway
 from tests.support.processes import fairgate_engine

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from control.capture import TraceCapture
 from engine.config import EngineConfig
 from fairgate.cli import main
-from gateway.capture import TraceCapture
 from gateway.config import CaptureConfig, GatewayConfig
 from protocol.openai import parse_request
 from tests.gateway.helpers import collect, start_gateway
@@ -44,7 +44,7 @@ async def test_a_capture_replays_with_the_same_requests_lengths_and_spacing(
             usages.append((await resp.json())["usage"])
     bad = await h.post("acme", {"model": "random:tiny", "prompt": "x", "max_tokens": -1})
     assert bad.status == 400  # not served: not captured
-    await h.gateway.capture.flush()
+    await h.capture.flush()
     text = path.read_text()
     assert "secret words" not in text and "shared system prompt" not in text
     trace = load_trace(path)  # the reader the load generator and the tuner replay with
@@ -72,7 +72,7 @@ async def test_captures_rotate_and_sample(aiohttp_client: Any, db_url: str,
         "capture": {"path": str(path), "rotate_mb": 0.0002}})  # ~200 bytes
     for _ in range(3):
         assert (await h.post("acme", {"prompt": "hi", "max_tokens": 2})).status == 200
-        await h.gateway.capture.flush()
+        await h.capture.flush()
     files = sorted(tmp_path.glob("c*.jsonl"))
     assert len(files) >= 2 and path in files
     assert sum(len(load_trace(f)) for f in files) == 3  # nothing lost across rotations
@@ -140,7 +140,7 @@ async def test_the_capture_of_a_span_comes_from_the_current_and_the_rotated_file
     last_two = await _trace(h, tmp_path, "limit=2")
     assert [r.prompt_tokens for r in last_two][0] == 21 and len(last_two) == 2
     assert await _trace(h, tmp_path, "since=3000&until=3001") == []  # none: an empty answer
-    assert (await h.gateway.capture.window(0, 3000, None)).count("\n") == 6  # header + 5
+    assert (await h.capture.window(0, 3000, None)).count("\n") == 6  # header + 5
 
 
 async def _error(h: Any, query: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:

@@ -10,6 +10,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from control.jobs import EngineKeys, keys_for
+from control.state import JOBS
 from engine.async_engine import AsyncEngine
 from engine.config import (
     ENGINE_ADMIN_KEY_ENV,
@@ -19,8 +21,6 @@ from engine.config import (
 )
 from engine.server import make_app as make_engine_app
 from gateway.config import BackendConfig, GatewayConfig, ShadowConfig
-from gateway.jobs import EngineKeys, keys_for
-from gateway.state import JOBS
 from tests.gateway.helpers import (
     SIM_ENGINE,
     completion,

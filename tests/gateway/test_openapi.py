@@ -13,8 +13,9 @@ import jsonschema_rs
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from control.openapi import ROUTES, document
 from engine import SamplingParams
-from gateway.openapi import ROUTES, document, tenant_create_schema
+from gateway.openapi import tenant_create_schema
 from protocol.errors import ApiError
 from protocol.openai import REQUEST_FIELDS, SAMPLING_FIELDS, Field, parse_request
 from protocol.openapi import field_schema, request_schema
@@ -227,7 +228,7 @@ async def test_the_rules_the_document_leaves_to_its_description_are_the_servers(
 def test_a_job_spec_with_a_workload_and_captured_minutes_is_invalid_in_the_document() -> None:
     """The schema says what the server says: one of workload or captured_minutes (mode
     shadow: neither), and a sim profile by name."""
-    from gateway.jobs import parse_spec
+    from control.jobs import parse_spec
 
     spec = {"workload": "uniform", "slo_ttft_p99_s": 1.0, "rate": 5, "duration": 10}
     validator = jsonschema_rs.validator_for(document()["components"]["schemas"]["TuneJobSpec"])
@@ -249,7 +250,7 @@ def test_a_job_spec_with_a_workload_and_captured_minutes_is_invalid_in_the_docum
 
 # ---- the sim profile an upload holds and the document agree -------------------------------------
 def _profile_accepted(body: Any) -> bool:
-    from gateway.jobs import profile_from_upload
+    from control.jobs import profile_from_upload
 
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     try:
@@ -262,7 +263,7 @@ def _profile_accepted(body: Any) -> bool:
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_generated_sim_profiles_are_valid_exactly_when_accepted(mode: GenerationMode) -> None:
-    from gateway.jobs import SIM_PROFILE_SCHEMA
+    from control.jobs import SIM_PROFILE_SCHEMA
 
     validator = jsonschema_rs.validator_for(SIM_PROFILE_SCHEMA)
     operation = schemathesis.openapi.from_dict(document())["/admin/sim-profiles/{name}"]["PUT"]

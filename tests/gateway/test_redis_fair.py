@@ -1,5 +1,5 @@
 """Queue bounds and fair share over gateway replicas through the real Redis at 127.0.0.1:6379
-(gateway/shared_fair.py): one tenant's queue bound holds across two replicas, and two
+(gateway/replicas/redis_fair_share.py): one tenant's queue bound holds across two replicas, and two
 backlogged tenants that each reach the engine through a different replica share it by their
 weights."""
 
@@ -13,7 +13,7 @@ from typing import Any
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.server import make_app as make_engine_app
-from gateway.shared_fair import SharedFairState
+from gateway.replicas.redis_fair_share import SharedFairState
 from tests.gateway.helpers import ControlledBackend, Harness, collect, completion, start_gateway
 from tests.gateway.test_redis_limits import Proxy, prefix, redis_url
 from tests.support.waiting import wait_for
@@ -163,7 +163,7 @@ def test_service_elsewhere_is_counted_once_signed_and_bad_rows_are_skipped() -> 
     import json
 
     from gateway.fairqueue import FairQueue
-    from gateway.shared import SharedRateLimiter
+    from gateway.replicas.redis_limits import SharedRateLimiter
     from tests.gateway.test_fairqueue import item
 
     queue = FairQueue()

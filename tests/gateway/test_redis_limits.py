@@ -1,4 +1,4 @@
-"""Rate windows shared by gateway replicas through Redis (gateway/shared.py), against the real
+"""Rate windows shared by gateway replicas through Redis (gateway/replicas/redis_limits.py), against the real
 Redis at 127.0.0.1:6379: limits over two gateways, settle exactness read back from Redis, the
 Lua scripts under concurrent charges, and Redis going away and coming back."""
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from gateway.admission import RateLimited, RateLimiter
 from gateway.app import make_app
 from gateway.config import GatewayConfig
-from gateway.shared import SharedRateLimiter, split_redis_url
+from gateway.replicas.redis_limits import SharedRateLimiter, split_redis_url
 from gateway.state import GATEWAY
 from tenants import TenantLimits
 from tests.gateway.helpers import SIM_ENGINE, Harness, completion, free_port, start_gateway

@@ -17,8 +17,8 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from control.app import make_app
 from engine import EngineConfig
-from gateway.app import make_app
 from gateway.config import GatewayConfig, JobsConfig
 from gateway.state import GATEWAY
 from tenants import generate_key

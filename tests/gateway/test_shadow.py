@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from control.shadow import Pair, ShadowMirror, paired_stats
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.request import SamplingParams
@@ -20,7 +21,6 @@ from engine.server import make_app as make_engine_app
 from gateway.backends import Job
 from gateway.config import GatewayConfig, ShadowConfig
 from gateway.metrics import GatewayMetrics
-from gateway.shadow import Pair, ShadowMirror, paired_stats
 from protocol.measures import SLO, RequestTiming
 from protocol.openai import parse_request
 from tests.gateway.helpers import collect, completion, start_gateway
@@ -59,7 +59,7 @@ async def test_paired_statistics_show_what_the_shadows_knobs_change(
     h = await start_gateway(aiohttp_client, db_url, tenants={"acme": SLOS}, gateway={
         "backends": [{"url": live}], "shadow": [{"name": "wide", "url": shadow}]})
     assert await _burst(h, 6) == [200] * 6
-    mirror = h.gateway.shadows.mirrors["wide"]
+    mirror = h.shadows.mirrors["wide"]
     await wait_for(lambda: len(mirror.pairs) == 6, timeout=30)
     resp = await h.client.get("/admin/shadow/wide/stats?window=60", headers=ADMIN)
     assert resp.status == 200
@@ -93,7 +93,7 @@ async def test_shadow_targets_change_at_run_time_through_the_admin_api(
                                   headers=ADMIN)
     assert created.status == 201 and (await created.json())["sample"] == 1.0
     assert await _burst(h, 2) == [200, 200]
-    mirror = h.gateway.shadows.mirrors["c"]
+    mirror = h.shadows.mirrors["c"]
     await wait_for(lambda: len(mirror.pairs) == 2, timeout=30)
     changed = await h.client.patch("/admin/shadow/c", json={"sample": 0}, headers=ADMIN)
     assert changed.status == 200 and (await changed.json())["pairs"] == 2  # kept
@@ -106,7 +106,7 @@ async def test_shadow_targets_change_at_run_time_through_the_admin_api(
                                                      "sample": 2}, headers=ADMIN)
     assert bad.status == 400 and (await bad.json())["error"]["param"] == "sample"
     gone = await h.client.delete("/admin/shadow/c", headers=ADMIN)
-    assert gone.status == 200 and not h.gateway.shadows.mirrors
+    assert gone.status == 200 and not h.shadows.mirrors
     assert (await h.client.get("/admin/shadow/c/stats", headers=ADMIN)).status == 404
     tenant = await h.client.get("/admin/shadow", headers=h.auth("acme"))
     assert tenant.status == 401
@@ -133,7 +133,7 @@ async def test_a_stopped_shadow_changes_nothing_for_live_clients(
         # every live request succeeds while the shadow answers nothing: the live path never
         # waits on it (it would hang here if it did)
         assert await _burst(h, 10) == [200] * 10
-        mirror = h.gateway.shadows.mirrors["frozen"]
+        mirror = h.shadows.mirrors["frozen"]
         # one copy is stuck in flight, two wait, the rest were dropped and counted
         await wait_for(lambda: (mirror.inflight, mirror.queued) == (1, 2), timeout=10)
         assert mirror.outstanding == 3 and mirror.dropped == 7
@@ -154,7 +154,7 @@ async def test_a_dead_shadow_fails_its_copies_and_live_requests_still_succeed(
     h = await start_gateway(aiohttp_client, db_url, gateway={
         "backends": [{"url": live}], "shadow": [{"name": "dead", "url": url}]})
     assert await _burst(h, 4) == [200] * 4
-    mirror = h.gateway.shadows.mirrors["dead"]
+    mirror = h.shadows.mirrors["dead"]
     await wait_for(lambda: len(mirror.pairs) == 4, timeout=30)
     assert mirror.failed == 4
     stats = mirror.stats(60)
@@ -173,7 +173,7 @@ async def test_a_ten_times_slower_shadow_leaves_live_latency_alone(
     started = asyncio.get_running_loop().time()
     assert await _burst(h, 4) == [200] * 4
     live_done = asyncio.get_running_loop().time() - started
-    mirror = h.gateway.shadows.mirrors["slow"]
+    mirror = h.shadows.mirrors["slow"]
     assert len(mirror.pairs) < 4  # the copies were still running when live answers were done
     await wait_for(lambda: len(mirror.pairs) == 4, timeout=30)
     stats = mirror.stats(60)
@@ -240,7 +240,7 @@ async def test_a_copy_carries_exactly_what_the_live_engine_got(
                                                **CLIENT_EXTRAS))
         assert resp.status == 200, await resp.text()
         await resp.read()
-    mirror = h.gateway.shadows.mirrors["s"]
+    mirror = h.shadows.mirrors["s"]
     await wait_for(lambda: len(mirror.pairs) == len(streams), timeout=30)
     assert len(live_bodies) == len(shadow_bodies) == len(streams)
     # a copy is always streamed (its tokens are timed): the streamed live request's body is
@@ -281,7 +281,7 @@ async def test_bad_targets_are_refused_by_the_config_and_the_admin_api(
         resp = await h.client.post("/admin/shadow", json=target, headers=ADMIN)
         error = (await resp.json())["error"]
         assert (resp.status, error["param"]) == (400, param), (change, error)
-    assert not h.gateway.shadows.mirrors
+    assert not h.shadows.mirrors
     good = {"name": "s", "url": "http://127.0.0.1:9", "model": "org/Model-7B v2",
             "tenants": ["acme"]}
     assert (await h.client.post("/admin/shadow", json=good, headers=ADMIN)).status == 201
@@ -356,6 +356,6 @@ def test_each_side_has_tpot_per_request_and_itl_over_every_gap() -> None:
     (b'{"error":{"message":"text\\":\\"x"}}', False),
 ])
 def test_token_events_are_told_apart_without_parsing(data: bytes, token: bool) -> None:
-    from gateway.shadow_worker import plain_text
+    from control.shadow_worker import plain_text
 
     assert plain_text(data) is token

@@ -1,4 +1,4 @@
-"""The shadow sender process (gateway/shadow_worker.py): the copies' HTTP work runs there, its
+"""The shadow sender process (control/shadow_worker.py): the copies' HTTP work runs there, its
 histograms reach the gateway's /metrics as a Histogram's would, and a dead worker costs live
 clients nothing: its copies are counted as dropped and another worker takes over."""
 
@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram
 
-import gateway.shadow
+import control.shadow
+from control.shadow_worker import FrameReader, FrameSender, _Histogram
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.server import make_app as make_engine_app
 from gateway.metrics import ITL_BUCKETS, ShadowHistograms
-from gateway.shadow_worker import FrameReader, FrameSender, _Histogram
 from tests.gateway.helpers import collect, completion, start_gateway
 from tests.support.waiting import next_loop_turn, wait_for
 
@@ -126,13 +126,13 @@ async def _burst(h: Any, n: int) -> list[int]:
 async def test_a_killed_sender_process_is_replaced_and_live_requests_never_notice(
         aiohttp_client: Any, aiohttp_server: Any, db_url: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gateway.shadow, "RESTART_S", 3600.0)  # the gap, held open by the test
+    monkeypatch.setattr(control.shadow, "RESTART_S", 3600.0)  # the gap, held open by the test
     live = await aiohttp_server(make_engine_app(AsyncEngine(REALTIME)))
     shadow = await aiohttp_server(make_engine_app(AsyncEngine(REALTIME)))
     h = await start_gateway(aiohttp_client, db_url, gateway={
         "backends": [{"url": str(live.make_url("/v1"))}],
         "shadow": [{"name": "cand", "url": str(shadow.make_url("/v1"))}]})
-    shadows = h.gateway.shadows
+    shadows = h.shadows
     mirror = shadows.mirrors["cand"]
     assert await _burst(h, 3) == [200] * 3
     await wait_for(lambda: len(mirror.pairs) == 3, timeout=30)
@@ -163,9 +163,9 @@ async def test_the_sender_process_stops_with_the_gateway_and_with_its_last_targe
     h = await start_gateway(aiohttp_client, db_url, gateway={
         "backends": [{"url": str(live.make_url("/v1"))}],
         "shadow": [{"name": "cand", "url": "http://127.0.0.1:9"}]})
-    worker = h.gateway.shadows.worker
+    worker = h.shadows.worker
     assert worker is not None and worker.poll() is None
     resp = await h.client.delete("/admin/shadow/cand",
                                  headers={"Authorization": "Bearer admin-key-0123456789"})
     assert resp.status == 200
-    assert worker.poll() is not None and h.gateway.shadows.worker is None
+    assert worker.poll() is not None and h.shadows.worker is None

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import yaml
 
+from control.app import make_app
+from control.jobs import MAX_PROFILE_BYTES, NOT_HELD, PROFILE_FOLDER
 from engine.sim_profile import SimProfile
-from gateway.app import make_app
 from gateway.config import GatewayConfig
-from gateway.jobs import MAX_PROFILE_BYTES, NOT_HELD, PROFILE_FOLDER
 from tests.gateway.helpers import ServerThread, create_tenants, start_gateway
 from tests.support.waiting import wait_until
 

@@ -21,7 +21,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from gateway.jobs import (
+from control.jobs import (
     SPEC_FILE,
     parse_spec,
     record_options,
@@ -231,7 +231,7 @@ def test_the_worker_reads_the_spec_the_gateway_checked(tmp_path: Path) -> None:
 
 def test_one_default_for_the_command_line_and_for_a_job() -> None:
     """trials: 30 on both, in one place; the document says the same."""
-    from gateway.jobs import job_spec_schema
+    from control.jobs import job_spec_schema
 
     spec = parse_spec({k: v for k, v in QUICK.items() if k != "trials"}, {}, {})
     assert spec.options.trials == TuneOptions().trials == DEFAULT_TRIALS == 30
@@ -299,7 +299,7 @@ async def test_a_job_whose_gateway_is_gone_is_interrupted_and_a_live_ones_is_not
         tmp_path: Path, db_url: str) -> None:
     """Several gateways on one database: a running job is taken over (interrupted, to be
     resumed) only when its gateway's process is gone or its lease ran out."""
-    from gateway.jobs import LEASE_S, JobManager
+    from control.jobs import LEASE_S, JobManager
     from tenants import TenantStore
     from tenants.jobs import JobStore
 
@@ -444,8 +444,8 @@ def test_fairgate_jobs_drives_the_admin_api(tmp_path: Path, db_url: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     import asyncio as aio
 
+    from control.app import make_app
     from fairgate.cli import main
-    from gateway.app import make_app
     from gateway.config import GatewayConfig
     from tests.gateway.helpers import ServerThread, create_tenants
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from control.app import make_app
 from fairgate.cli import main
-from gateway.app import make_app
 from gateway.config import GatewayConfig
 from tests.gateway.helpers import ServerThread, create_tenants
 from tests.support.processes import fairgate_engine
@@ -173,7 +173,7 @@ def test_the_mirroring_paused_for_the_replays_comes_back_however_they_end(
 
 
 def test_shadow_samples_carry_token_times_so_a_trial_scores_per_gap_itl() -> None:
-    from gateway.shadow import Pair, samples
+    from control.shadow import Pair, samples
     from protocol.measures import SLO, RequestTiming
     from tuner.shadow_mode import timing_of
 

@@ -1,4 +1,4 @@
-"""Tuning jobs (gateway/jobs.py).
+"""Tuning jobs (control/jobs.py).
 
 Revision ID: 0003
 Revises: 0002

@@ -70,6 +70,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from gateway.events import RequestFinished, RequestObserver
 from protocol.measures import SLO, RequestTiming, attainment, percentile
 from protocol.serving import wait_event
 
@@ -116,9 +117,10 @@ class Attempt:
 Timed = TypeVar("Timed", Served, Attempt)
 
 
-class ServedWindow:
+class ServedWindow(RequestObserver):
     """The live requests served lately, by backend, and the attempts heard while an apply
-    runs: what a canary is judged on. `failure` is set at each failed attempt."""
+    runs: what a canary is judged on. `failure` is set at each failed attempt. Subscribed to
+    the gateway's finished requests (those that reached a backend)."""
 
     def __init__(self, maxlen: int = MAX_SERVED) -> None:
         self.items: deque[Served] = deque(maxlen=maxlen)
@@ -127,6 +129,10 @@ class ServedWindow:
 
     def record(self, backend: str, tenant: str, slo: SLO, timing: RequestTiming) -> None:
         self.items.append(Served(time.monotonic(), backend, tenant, slo, timing))
+
+    def finished(self, event: RequestFinished) -> None:
+        if event.backend is not None:
+            self.record(event.backend, event.tenant, event.slo, event.timing)
 
     def attempt(self, backend: str, failed: bool) -> None:
         self.attempts.append(Attempt(time.monotonic(), backend, failed))

@@ -257,7 +257,7 @@ class SharedRateLimiter:
             await asyncio.wait(list(self._pending), timeout=timeout)
 
     def add_script(self, name: str, lua: str) -> None:
-        """A script of another shared part (gateway/shared_fair.py), loaded with these; before
+        """A script of another shared part (gateway/replicas/redis_fair_share.py), loaded with these; before
         `start`."""
         self._lua[name] = lua
 

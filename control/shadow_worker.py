@@ -3,7 +3,7 @@ away here, in a child process of the gateway, so the copies' HTTP work never run
 event loop (`bench/shadow_overhead.py` measured it at 40% of the gateway's CPU per request when
 it did).
 
-The gateway (gateway/shadow.py) talks to it over the child's stdin and stdout in length-prefixed
+The gateway (control/shadow.py) talks to it over the child's stdin and stdout in length-prefixed
 pickled batches, one per event-loop turn, through the loops' own non-blocking pipe transports
 (`FrameSender`, `FrameReader`): no thread, no lock, and neither loop ever blocks on the pipe.
 

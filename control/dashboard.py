@@ -24,9 +24,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.admin import _database, _path_tenant, query_float
+from control.state import JOBS
+from gateway.admin import database_calls, path_tenant, query_float
 from gateway.auth import SESSION_COOKIE, SESSION_TTL_S, bearer
-from gateway.state import AUTH, GATEWAY, JOBS, METRICS, SETTINGS, STORE
+from gateway.state import AUTH, GATEWAY, METRICS, SETTINGS, STORE
 from protocol.errors import ApiError
 from protocol.http import read_form
 from tenants import TenantInfo
@@ -56,7 +57,7 @@ def add_routes(app: web.Application) -> None:
 
 # ---- the page and its login ----------------------------------------------------------------------
 def _page_text(name: str) -> str:
-    return resources.files("gateway").joinpath("dashboard_assets", name).read_text()
+    return resources.files("control").joinpath("dashboard_assets", name).read_text()
 
 
 _HEADERS = {"Cache-Control": "no-store", "X-Frame-Options": "DENY",
@@ -170,7 +171,7 @@ async def slo_tenants(request: web.Request) -> web.Response:
     request.app[AUTH].check_admin(request)
     now = time.time()
     db = request.app[STORE].db
-    async with _database():
+    async with database_calls():
         infos = await request.app[STORE].list_tenants()
         counts = await period_counts(db, now)
         p99s = await hour_p99s(db, now)
@@ -203,14 +204,14 @@ async def slo_tenant(request: web.Request) -> web.Response:
     """GET /admin/slo/tenants/{name}?hours=6: the tenant's figures, its limits, its queue
     now, and its series minute by minute."""
     request.app[AUTH].check_admin(request)
-    name = _path_tenant(request)
+    name = path_tenant(request)
     hours = query_float(request, "hours", 6.0, "hours must be a number",
                         lambda h: 0 < h <= MAX_SERIES_HOURS,
                         f"hours must be in (0, {MAX_SERIES_HOURS}]")
     assert hours is not None
     now = time.time()
     db = request.app[STORE].db
-    async with _database():
+    async with database_calls():
         info = await request.app[STORE].get_tenant(name)
         if info is None:
             raise ApiError(404, f"no tenant named {name!r}", code="tenant_not_found")

@@ -12,7 +12,7 @@ of the seats per tenant across replicas.
 
 These figures are a few milliseconds old under load (one sync and a round trip), so a queue
 bound may be passed by what the other replicas queue meanwhile, and a share may be off by the
-requests they dispatch meanwhile; the requests/min and tokens/min windows are exact (gateway/shared.py).
+requests they dispatch meanwhile; the requests/min and tokens/min windows are exact (gateway/replicas/redis_limits.py).
 Redis away: `remote` is emptied and each replica queues and shares alone, as the rate windows
 do; syncing resumes when the limiter's probe finds Redis again.
 """
@@ -30,7 +30,7 @@ from typing import Any
 
 from gateway.fairqueue import CLASSES, FairQueue, RemoteTenant
 from gateway.metrics import GatewayMetrics
-from gateway.shared import SharedRateLimiter
+from gateway.replicas.redis_limits import SharedRateLimiter
 from protocol.serving import wait_event
 
 log = logging.getLogger("fairgate.gateway")

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import CaptureConfig
+from gateway.events import RequestFinished, RequestObserver
 from protocol.openai import OpenAIRequest, prompt_text
 
 log = logging.getLogger("fairgate.gateway")
@@ -53,7 +54,10 @@ FILE_MODE = 0o600
 MB = 1 << 20
 
 
-class TraceCapture:
+class TraceCapture(RequestObserver):
+    """Served requests (HTTP 200) as a fairgate trace: subscribed to the gateway's finished
+    requests."""
+
     def __init__(self, config: CaptureConfig, draw: Any = random.random) -> None:
         self.config = config
         self.path = Path(config.path)
@@ -68,6 +72,11 @@ class TraceCapture:
         self._headed = False  # this process's header is in the current file
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+
+    def finished(self, event: RequestFinished) -> None:
+        if event.status == 200:
+            self.record(event.request, event.tenant, event.priority, event.arrival,
+                        event.prompt_tokens, event.completion_tokens, event.request.max_tokens)
 
     def record(self, req: OpenAIRequest, tenant: str, priority: str, arrival: float,
                prompt_tokens: int, output_tokens: int, max_tokens: int | None) -> None:

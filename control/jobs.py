@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from control.canary import MAX_CANARY_WEIGHT, ServedWindow
 from engine.config import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV, EngineConfig
 from engine.presets import MODEL_PRESETS, model_preset
 from engine.sim_profile import FEATURES, PROFILE_VERSION, SimProfile
-from gateway.canary import MAX_CANARY_WEIGHT
 from gateway.config import ADMIN_KEY_ENV, BackendConfig, ShadowConfig
 from gateway.outlier import Verdict
 from protocol.errors import ApiError, bad_request
@@ -566,6 +566,7 @@ class JobManager:
         self.owner = f"{socket.gethostname()}:{os.getpid()}"  # this gateway, in the rows
         self.pool: Any = None  # the gateway's backends (an apply's replicas, drained there)
         self.shadows: Any = None  # the gateway's shadow targets (a shadow job's engine)
+        self.served = ServedWindow()  # what an apply's canary is judged on (control/app.py)
         self.profiles = SimProfiles(folder / PROFILE_FOLDER)  # what `set.sim_profile` names
 
     async def start(self) -> None:
@@ -751,7 +752,7 @@ class JobManager:
         self._wake.set()
         return await self._job(job_id)
 
-    # ---- apply: canary, promote or roll back (gateway/canary.py) ------------------------------
+    # ---- apply: canary, promote or roll back (control/canary.py) ------------------------------
     async def apply(self, job_id: str, body: Any, gateway: Any) -> dict[str, Any]:
         """Start applying the job's best config to `body["backend"]` as a canary; the apply's
         record (its steps appear in the job as they happen)."""
@@ -761,7 +762,7 @@ class JobManager:
 
     async def _start_apply(self, job_id: str, options: dict[str, Any],
                            gateway: Any) -> dict[str, Any]:
-        from gateway.canary import Apply, ApplyPlan, canary_weight
+        from control.canary import Apply, ApplyPlan, canary_weight
 
         job = await self._job(job_id)
         if job.state != "succeeded":
@@ -817,9 +818,9 @@ class JobManager:
                                      admin_key=self.engine_keys(name).admin_key)
 
         def heard(backend: Any, verdict: Verdict) -> None:
-            gateway.served.attempt(backend.name, verdict is Verdict.FAILED)
+            self.served.attempt(backend.name, verdict is Verdict.FAILED)
 
-        run = Apply(plan, gateway.served, drain, undrain, switch, record,
+        run = Apply(plan, self.served, drain, undrain, switch, record,
                     limit_share=pool.limit_share)
         await record(run.record)
         pool.results.append(heard)  # every replica's attempts, while the apply runs

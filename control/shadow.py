@@ -3,7 +3,7 @@ latency paired with the live request it copies.
 
 The live path only calls `ShadowSet.offer` (after admission) and `ShadowSet.live_done` (in
 settle); both are a few dict and deque operations, never I/O, and never wait. The copies are
-sent from a child process (gateway/shadow_worker.py), fed over a pipe by a thread of this one:
+sent from a child process (control/shadow_worker.py), fed over a pipe by a thread of this one:
 their HTTP round trips, stream parsing and histogram observations never run on the live event
 loop. Each target holds at most `max_queue + max_inflight` copies not yet answered; a copy
 beyond that is dropped and counted, so a slow, failing or dead shadow changes nothing for live
@@ -39,10 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from control.shadow_worker import FrameReader, FrameSender
 from gateway.backends import Job, engine_body
 from gateway.config import ShadowConfig
+from gateway.events import RequestAdmitted, RequestFinished, RequestObserver
 from gateway.metrics import GatewayMetrics
-from gateway.shadow_worker import FrameReader, FrameSender
 from protocol.measures import SLO, RequestTiming, summarize
 
 log = logging.getLogger("fairgate.gateway")
@@ -324,9 +325,10 @@ def _gap_attainment(pairs: Sequence[Pair], side: str) -> dict[str, dict[str, Any
             for tenant, (met, total) in sorted(counts.items())}
 
 
-class ShadowSet:
+class ShadowSet(RequestObserver):
     """Every shadow target of a gateway, by name, and the sender process they share; targets
-    are started, changed and stopped at run time."""
+    are started, changed and stopped at run time. Subscribed to the gateway's requests: each
+    admitted one may be copied, each finished one is the live side of its pairs."""
 
     def __init__(self, configs: Sequence[ShadowConfig], metrics: GatewayMetrics) -> None:
         self.metrics = metrics
@@ -347,6 +349,12 @@ class ShadowSet:
     def live_done(self, request_id: str, timing: RequestTiming) -> None:
         for mirror in self.mirrors.values():
             mirror.live_done(request_id, timing)
+
+    def admitted(self, event: RequestAdmitted) -> None:
+        self.offer(event.job, event.slo)  # a copy may go to each target (never waited on)
+
+    def finished(self, event: RequestFinished) -> None:
+        self.live_done(event.request_id, event.timing)
 
     async def start(self) -> None:
         self.running = True
@@ -402,7 +410,7 @@ class ShadowSet:
     async def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
         worker = self.worker = subprocess.Popen(
-            [sys.executable, "-m", "gateway.shadow_worker"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "control.shadow_worker"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, bufsize=0)
         assert worker.stdin is not None and worker.stdout is not None
         self._out = await FrameSender.open(worker.stdin)
