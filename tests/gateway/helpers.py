@@ -14,8 +14,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from control.app import make_app
+from control.state import CAPTURE, SHADOWS
 from engine import EngineConfig
-from gateway.app import make_app
 from gateway.backends import Job, Outcome
 from gateway.config import GatewayConfig
 from gateway.state import GATEWAY, METRICS
@@ -123,6 +124,14 @@ class Harness:
     @property
     def gateway(self) -> Any:
         return self.app[GATEWAY]
+
+    @property
+    def shadows(self) -> Any:  # the control plane's (control/app.py)
+        return self.app[SHADOWS]
+
+    @property
+    def capture(self) -> Any:
+        return self.app[CAPTURE]
 
     def auth(self, tenant: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.keys[tenant]}"}
