@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection, Iterator
 
 from engine.config import EngineConfig
 from engine.request import Request
-from protocol.fairness import VTC_COST
+from protocol.fairness import VTC_COST, lifted_counter
 
 SortKey = tuple[float, ...]
 
@@ -125,9 +125,9 @@ class PrefixAwareQueue(WaitingQueue):
 class FairShareQueue(WaitingQueue):
     """fair: per-tenant virtual token counters (VTC). Each tenant's counter grows by the VTC cost
     of the tokens computed for it (protocol.fairness: the cost the gateway charges too) divided
-    by its weight; the tenant with the smallest counter goes next. A tenant that becomes active
-    starts at the smallest counter of the active tenants, so it cannot bank credit while idle and
-    then starve the others."""
+    by its weight; the tenant with the smallest counter goes next. A tenant that becomes active is
+    lifted by protocol.fairness.lifted_counter (the rule the gateway lifts by), so it cannot bank
+    credit while idle and then starve the others."""
 
     accounts_service = True
 
@@ -135,6 +135,7 @@ class FairShareQueue(WaitingQueue):
         super().__init__(config)
         self.weights: dict[str, float] = {}
         self.counters: dict[str, float] = {}
+        self._last_served: str | None = None  # the tenant charged last
         self._per_tenant: dict[str, SortedRequests] = {}
 
     def add(self, request: Request) -> None:
@@ -152,16 +153,15 @@ class FairShareQueue(WaitingQueue):
         self._queue.remove(request)
 
     def activate(self, tenant: str, active_tenants: Collection[str]) -> None:
-        others = [self.counters.get(t, 0.0) for t in active_tenants if t != tenant]
-        # With nobody active, start where service left off: below the counters of tenants
-        # served earlier, the newcomer would take all service when they come back.
-        floor = min(others) if others else max(self.counters.values(), default=0.0)
-        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        others = (self.counters.get(t, 0.0) for t in active_tenants if t != tenant)
+        last = None if self._last_served is None else self.counters[self._last_served]
+        self.counters[tenant] = lifted_counter(self.counters.get(tenant, 0.0), others, last)
 
     def charge(self, request: Request, num_tokens: int) -> None:
         weight = self.weights.get(request.tenant, 1.0)
         cost = step_cost(request, num_tokens)
         self.counters[request.tenant] = self.counters.get(request.tenant, 0.0) + cost / weight
+        self._last_served = request.tenant
 
     def far_ahead_tenants(self, active: Collection[str]) -> frozenset[str]:
         """More than `fair_far_ahead_tokens` of weighted service (VTC cost / weight) ahead of the

@@ -5,15 +5,16 @@ class the backlogged tenant with the smallest virtual token counter goes next (V
 2024). A dispatch charges the tenant's counter with the VTC cost (protocol.fairness, the cost the
 engine's `fair` policy charges too) of the request's estimated input and output tokens divided
 by its weight; `finish` settles the difference to the actual tokens. A tenant that
-becomes backlogged starts no lower than the current minimum, so idleness earns no credit to
-burst with later. `fcfs`: arrival order across all tenants, the baseline.
+becomes backlogged is lifted by protocol.fairness.lifted_counter (the engine's rule too), so
+idleness earns no credit to burst with later. `fcfs`: arrival order across all tenants, the
+baseline.
 
 Shares of seats: a tenant's weighted share of the backends' room is room * weight / the
 weights of the tenants active now or lately (SHARE_WINDOW_S, so a light tenant between two
 requests keeps its place). `pop(admit)` lets the dispatcher restrict a pick to tenants under
 their share when only the headroom it keeps for them is free (see gateway.dispatch).
 
-Other gateway replicas (`gateway.redis`, gateway/shared_fair.py): `remote` holds their
+Other gateway replicas (`gateway.redis`, gateway/replicas/redis_fair_share.py): `remote` holds their
 tenants' queued and running counts as of the last sync (a few tens of milliseconds old). Queue
 bounds count a tenant's requests queued on every replica; shares count its requests running on
 every replica and the weights of tenants active anywhere; `gate` holds back a tenant
@@ -40,7 +41,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.fairness import VTC_COST, VTCCost
+from protocol.fairness import VTC_COST, VTCCost, lifted_counter
 from protocol.priority import PRIORITIES
 from protocol.validators import check_choice
 
@@ -152,7 +153,7 @@ class FairQueue:
         self.tenants: dict[str, TenantQueue] = {}
         self._active: dict[str, set[str]] = {c: set() for c in CLASSES}  # backlogged tenants
         self._seq = itertools.count()
-        self._vtime = 0.0  # counter of the last dispatch: the floor when no one is backlogged
+        self._last_dispatched: str | None = None  # the floor (its counter) with none backlogged
         self.pace: float | None = None  # every tenant's pace: the estimate for a new tenant
         self.size = 0
         # the other gateway replicas' tenants (gateway.redis), replaced whole by each sync
@@ -185,7 +186,6 @@ class FairQueue:
         tq = self.tenants.get(name)
         if tq is None:
             tq = self.tenants[name] = TenantQueue(name, weight, bounds or QueueBounds())
-            tq.counter = self._floor(exclude=name)
         else:  # weights and limits may change while the gateway runs
             tq.weight = weight
             if bounds is not None:
@@ -246,12 +246,12 @@ class FairQueue:
             heapq.heappush(ends, at + expected(queued))
         return None
 
-    def _floor(self, exclude: str) -> float:
-        active = [self.tenants[t].counter for c in CLASSES for t in self._active[c] if t != exclude]
-        return min(active) if active else self._vtime
-
     def _lift(self, tq: TenantQueue) -> None:
-        tq.counter = max(tq.counter, self._floor(exclude=tq.name))
+        others = (self.tenants[t].counter for c in CLASSES for t in self._active[c]
+                  if t != tq.name)
+        last = self._last_dispatched
+        tq.counter = lifted_counter(tq.counter, others, None if last is None
+                                    else self.tenants[last].counter)
 
     # ---- pop ----------------------------------------------------------------------------------
     def pop(self, admit: Admit | None = None) -> QueuedRequest | None:
@@ -262,7 +262,7 @@ class FairQueue:
             return None
         tq, item = picked
         self._take(tq, item)
-        self._vtime = max(self._vtime, tq.counter)
+        self._last_dispatched = tq.name
         charge = self.cost.cost(item.input_tokens, item.output_tokens) / tq.weight
         tq.counter += charge
         tq.served += charge

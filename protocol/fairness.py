@@ -16,10 +16,13 @@ How each side counts tokens:
 - the gateway charges the request's prompt and estimated output tokens at dispatch and settles
   to the actual counts when the request finishes.
 For a request that is never preempted both end at `cost(prompt tokens, output tokens)`.
+
+Both lift a returning tenant's counter by one rule too (`lifted_counter`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from protocol.validators import check_number
@@ -45,3 +48,16 @@ class VTCCost:
 
 
 VTC_COST = VTCCost()  # the cost every fair-share counter in fairgate charges
+
+
+def lifted_counter(own: float, backlogged: Iterable[float], last_served: float | None) -> float:
+    """The counter of a tenant that had no work backlogged and just got a request: VTC's lift
+    (Sheng et al., Algorithm 2). No lower than the least-served backlogged tenant's counter, so
+    time idle banks no credit to take all service with later; with no tenant backlogged, no
+    lower than the counter of the tenant served last (below the counters of tenants served
+    earlier, the newcomer would take all service when they come back). Never lower than its
+    own: service it had is not forgotten. `backlogged`: the other tenants' counters (the engine
+    counts a tenant with unfinished requests, whose running ones it still charges; the gateway
+    one with queued requests, as it charges a request whole at dispatch)."""
+    floor = min(backlogged, default=last_served)
+    return own if floor is None else max(own, floor)
