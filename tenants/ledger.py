@@ -21,8 +21,8 @@ row never blocks the rows behind it. `close()` flushes everything and raises onl
 database is unreachable, so a graceful shutdown loses nothing.
 
 Queries see flushed records only (call `flush()` first when that matters). Percentiles are
-nearest-rank, computed in SQL with ORDER BY/OFFSET so they work alike on SQLite and PostgreSQL
-and never load a whole window into memory.
+protocol.stats' (the nearest rank), computed in SQL with ORDER BY/OFFSET so they work alike on
+SQLite and PostgreSQL and never load a whole window into memory.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
 
 from protocol.serving import wait_event
+from protocol.stats import nearest_rank
 from tenants.models import UsageDeadLetterRow, UsageHourRow, UsageMinuteRow, UsageRow
 from tenants.store import TenantStore
 from tenants.values import UsageEvent
@@ -728,9 +729,9 @@ async def _percentiles(
         if count == 0:
             result[p] = None
             continue
-        rank = max(1, math.ceil(p / 100 * count))  # nearest-rank definition
         value = await s.scalar(
-            select(column).where(*where).order_by(column).offset(rank - 1).limit(1)
+            select(column).where(*where).order_by(column)
+            .offset(nearest_rank(count, p) - 1).limit(1)
         )
         result[p] = float(value) if value is not None else None
     return result
