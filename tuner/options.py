@@ -4,7 +4,7 @@ of defaults and one set of checks.
 `TuneOptions.from_mapping(mapping, surface)` builds it from field names and values, whoever
 wrote them: the command line (argv -> argparse -> mapping, fairgate/tune_cli.py), a spec file
 (`fairgate tune --spec FILE`, which a tune job's worker is given) or a job's JSON body
-(POST /admin/tune-jobs, gateway/jobs.py). `OPTIONS` is the table: each field's name (the
+(POST /admin/tune-jobs, control/jobs.py). `OPTIONS` is the table: each field's name (the
 TuneOptions attribute and the JSON/YAML key), its flags, how its value is checked, whether a job
 may set it, and the modes it means something in. A mistake is an `OptionError` naming the field
 as its surface names it: `--trials` on the command line, `trials` in a file or a job body.
@@ -681,18 +681,17 @@ def read_spec(path: str) -> dict[str, Any]:
     import json
     from pathlib import Path
 
-    import yaml
+    from protocol.yaml_files import load_yaml
 
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"--spec {path}: cannot read it ({exc.strerror or exc})") from None
     try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        # YamlError names the file and the line itself
+        data = json.loads(text) if path.endswith(".json") else load_yaml(path, text=text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--spec {path} is not JSON: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"--spec {path} is not YAML: {getattr(exc, 'problem', exc)}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--spec {path} must hold a mapping of field: value, got "
                          f"{type(data).__name__}")
