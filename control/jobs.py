@@ -56,6 +56,7 @@ from gateway.outlier import Verdict
 from protocol.errors import ApiError, bad_request
 from protocol.openai import server_root
 from protocol.serving import wait_event
+from protocol.yaml_files import YamlError, load_yaml
 from tenants.jobs import ACTIVE_STATES, JobRecord, JobStore
 
 if TYPE_CHECKING:  # tuner.options is imported when a spec is first checked (Optuna is big)
@@ -412,10 +413,11 @@ def profile_from_upload(body: bytes, as_json: bool) -> SimProfile:
     """An uploaded profile (YAML, or JSON when sent as JSON): each field as SIM_PROFILE_SCHEMA
     says, then as the simulator loads it; ApiError 400 naming the field."""
     try:
-        data = json.loads(body) if as_json else yaml.safe_load(body)
-    except (ValueError, yaml.YAMLError) as exc:
-        kind = "JSON" if as_json else "YAML"
-        raise bad_request(f"the body is not {kind}: {str(exc).splitlines()[0]}", None) from None
+        data = json.loads(body) if as_json else load_yaml("<body>", text=body)
+    except YamlError as exc:  # <body>:<line>: <problem>
+        raise bad_request(str(exc), None) from None
+    except ValueError as exc:
+        raise bad_request(f"the body is not JSON: {str(exc).splitlines()[0]}", None) from None
     if not isinstance(data, dict):
         raise bad_request("a sim profile is a mapping (`fairgate tune calibrate --out` writes "
                           "one)", None)
@@ -477,10 +479,11 @@ class SimProfiles:
             raise NotHeld(str(name)[:40])
         try:
             data = read_regular_file(self.path(name), MAX_PROFILE_BYTES)
-            return SimProfile.from_dict(yaml.safe_load(data))
+            # named by its file's name: the gateway's folders are not the client's business
+            return SimProfile.from_dict(load_yaml(f"{name}.yaml", text=data))
         except NotHeld:
             raise NotHeld(name) from None
-        except (yaml.YAMLError, ValueError, TypeError) as exc:  # UnicodeDecodeError: a ValueError
+        except (ValueError, TypeError) as exc:  # YamlError, UnicodeDecodeError: ValueErrors
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise ValueError(f"{name!r} is not a valid profile: {reason}") from None
 
@@ -1104,8 +1107,8 @@ def best_knobs(job: JobRecord) -> dict[str, Any]:
     """The knobs the job searched, as its best.yaml has them (a thread: file I/O)."""
     path = Path(job.out_dir) / "best.yaml"
     try:
-        engine = (yaml.safe_load(path.read_text()) or {}).get("engine") or {}
-    except (OSError, yaml.YAMLError):
+        engine = (load_yaml(path) or {}).get("engine") or {}
+    except (OSError, YamlError):
         raise ApiError(409, f"job {job.id} has no best config (no trial met both SLOs)",
                        code="no_best_config") from None
     knobs = {k: engine[k] for k in space_knobs(job.spec) if k in engine}
