@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -16,8 +12,9 @@ import pytest
 
 from fairgate.cli import main
 from fairgate.engine_cli import build_config, parse_overrides
+from tests.support.processes import free_port, read_until, spawn_fairgate
 
-ROOT = Path(__file__).parents[2]
+SIM = ["--set", "executor=sim", "--set", "sim_model=tiny", "--set", "num_kv_blocks=256"]
 
 
 def test_file_section_and_overrides(tmp_path: Path) -> None:
@@ -51,29 +48,15 @@ def test_bad_configuration_is_one_line_and_exit_2(
     assert err.count("\n") == 1
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_engine_server_starts_serves_and_stops_on_sigint() -> None:
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fairgate", "engine", "--port", str(port),
-         "--set", "executor=sim", "--set", "sim_model=tiny", "--set", "num_kv_blocks=256",
-         "--metrics-compat", "vllm"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = spawn_fairgate("engine", "--port", str(port), *SIM, "--metrics-compat", "vllm")
     base = f"http://127.0.0.1:{port}"
+    printed = b""
     try:
-        for _ in range(200):
-            try:
-                with urllib.request.urlopen(f"{base}/healthz", timeout=1) as resp:
-                    assert resp.status == 200
-                    break
-            except OSError:
-                time.sleep(0.05)
+        printed = read_until(proc, b"serving ")  # logged once the port is open
+        with urllib.request.urlopen(f"{base}/healthz", timeout=5) as resp:
+            assert resp.status == 200
         request = urllib.request.Request(
             f"{base}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
             data=json.dumps({"prompt": "hi", "max_tokens": 3}).encode())
@@ -83,7 +66,7 @@ def test_engine_server_starts_serves_and_stops_on_sigint() -> None:
             assert b"vllm:num_requests_running" in resp.read()
     finally:
         proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=20)[0].decode()
+        output = (printed + proc.communicate(timeout=20)[0]).decode()
     assert proc.returncode in (0, 130), output
 
 
@@ -92,12 +75,9 @@ def test_port_in_use_is_one_line_and_exit_2() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = subprocess.run(
-            [sys.executable, "-m", "fairgate", "engine", "--port", str(port),
-             "--set", "executor=sim", "--set", "sim_model=tiny", "--set", "num_kv_blocks=256"],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-            text=True, timeout=120)
+        proc = spawn_fairgate("engine", "--port", str(port), *SIM)
+        printed = proc.communicate(timeout=120)[0].decode()  # stderr too
     assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("fairgate engine: error: ")
-    assert "address already in use" in proc.stderr
+    assert "Traceback" not in printed
+    assert printed.strip().splitlines()[-1].startswith("fairgate engine: error: ")
+    assert "address already in use" in printed

@@ -16,18 +16,12 @@ from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams, StepOu
 from engine.async_engine import AsyncEngine, EngineStopped
 from engine.llm_engine import CUMULATIVE_COUNTERS
 from engine.reconfigure import Draining, Idle, Reconfigurer, ReconfigureRequest
+from tests.support.engines import sim_config
 from tests.support.waiting import wait_for
 
 # A rebuild that fails: validation passes, but sizing the KV pool from 1e-6 of the simulated
 # device's memory leaves no room for one max_model_len request.
 UNSATISFIABLE = {"num_kv_blocks": None, "memory_fraction": 1e-6}
-
-
-def sim_config(**changes: Any) -> EngineConfig:
-    base: dict[str, Any] = dict(executor="sim", sim_model="tiny", max_model_len=256,
-                                num_kv_blocks=32, max_num_batched_tokens=256, max_num_seqs=16)
-    base.update(changes)
-    return EngineConfig(**base)
 
 
 @dataclass
@@ -94,7 +88,7 @@ def test_failed_rebuild_keeps_serving_the_old_config() -> None:
     assert machine.advance(now=0.0) == [Parked("p")] and isinstance(machine.phase, Idle)
     with pytest.raises(ValueError, match="KV blocks"):
         request.future.result()
-    assert engine.config == old and engine.stats()["num_blocks"] == 32
+    assert engine.config == old and engine.stats()["num_blocks"] == old.num_kv_blocks
     engine.add_request("after", [1, 2], SamplingParams(max_tokens=3))
     drain(engine)
 
@@ -238,7 +232,7 @@ async def probe(engine: AsyncEngine, request_id: str) -> str | None:
 
 
 async def test_thirty_reconfigurations_with_requests_streaming_across() -> None:
-    engine = AsyncEngine(sim_config(sim_clock="realtime", sim_hardware="cpu"))
+    engine = AsyncEngine(sim_config(num_kv_blocks=32, sim_clock="realtime", sim_hardware="cpu"))
     recorder = Recorder(engine)
     engine.add_observer(recorder)
     await engine.start()

@@ -17,25 +17,25 @@ from aiohttp.test_utils import TestClient
 from engine import EngineConfig
 from engine.async_engine import AsyncEngine
 from engine.server import ENGINE_KEY, make_app
+from tests.support.engines import realtime_config, sim_config
+from tests.support.waiting import wait_for
 
 Client = TestClient[web.Request, web.Application]
 MakeClient = Callable[..., Awaitable[Client]]
 
 
-def sim_config(**changes: Any) -> EngineConfig:
-    base: dict[str, Any] = dict(executor="sim", sim_model="tiny", max_model_len=1024,
-                                num_kv_blocks=256, max_num_batched_tokens=1024, max_num_seqs=64)
-    base.update(changes)
-    return EngineConfig(**base)
+# room for the longer prompts and the many streams these tests send
+ROOMY: dict[str, Any] = {"max_model_len": 1024, "num_kv_blocks": 256,
+                         "max_num_batched_tokens": 1024, "max_num_seqs": 64}
 
 
 def realtime(**changes: Any) -> EngineConfig:
-    return sim_config(sim_clock="realtime", sim_hardware="cpu", **changes)
+    return realtime_config(**{**ROOMY, **changes})
 
 
 @pytest.fixture
 async def client(aiohttp_client: MakeClient) -> Client:
-    return await aiohttp_client(make_app(AsyncEngine(sim_config()), metrics_compat="vllm"))
+    return await aiohttp_client(make_app(AsyncEngine(sim_config(**ROOMY)), metrics_compat="vllm"))
 
 
 def engine_of(client: Client) -> AsyncEngine:
@@ -51,13 +51,13 @@ async def sse_events(response: Any) -> list[Any]:
     return events
 
 
+def running_and_waiting(engine: AsyncEngine) -> tuple[int, int]:
+    load = engine.load()  # one snapshot: both counts from the same step
+    return load["running"], load["waiting"]
+
+
 async def wait_idle(engine: AsyncEngine) -> None:
-    for _ in range(500):
-        load = engine.load()
-        if load["running"] == load["waiting"] == 0:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"engine not idle: {engine.load()}")
+    await wait_for(lambda: running_and_waiting(engine) == (0, 0))
 
 
 def assert_blocks_free(engine: AsyncEngine) -> None:
@@ -212,8 +212,8 @@ async def test_load_stats_and_metrics(client: Client) -> None:
 
 
 async def test_metrics_without_compat_and_apps_side_by_side(aiohttp_client: MakeClient) -> None:
-    first = await aiohttp_client(make_app(AsyncEngine(sim_config())))
-    second = await aiohttp_client(make_app(AsyncEngine(sim_config())))
+    first = await aiohttp_client(make_app(AsyncEngine(sim_config(**ROOMY))))
+    second = await aiohttp_client(make_app(AsyncEngine(sim_config(**ROOMY))))
     await first.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     one, two = [await (await c.get("/metrics")).text() for c in (first, second)]
     assert "vllm:" not in one
@@ -230,11 +230,7 @@ async def test_full_queue_is_503_with_retry_after(aiohttp_client: MakeClient) ->
     busy = []
     for _ in range(2):  # one running, then one waiting (each in before the next is sent)
         busy.append(asyncio.ensure_future(client.post("/v1/completions", json=body)))
-        for _ in range(400):
-            load = engine.load()
-            if load["running"] == 1 and load["waiting"] == len(busy) - 1:
-                break
-            await asyncio.sleep(0.005)
+        await wait_for(lambda: running_and_waiting(engine) == (1, len(busy) - 1))
     resp = await client.post("/v1/completions", json=body)
     assert resp.status == 503 and int(resp.headers["Retry-After"]) >= 1
     assert (await resp.json())["error"]["code"] == "engine_overloaded"
@@ -288,10 +284,10 @@ async def test_reconfigure_under_load(aiohttp_client: MakeClient) -> None:
         return await sse_events(resp)
 
     running = [asyncio.ensure_future(stream(f"old {i}", 80)) for i in range(20)]
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: engine.load()["running"] == 20)  # all of them generating
     reconfig = asyncio.ensure_future(client.post("/admin/reconfigure", json={
         "changes": {"max_num_seqs": 4, "max_num_batched_tokens": 256}}))
-    await asyncio.sleep(0.02)
+    await wait_for(lambda: engine.load()["reconfiguring"])  # draining: newcomers wait
     newcomers = [asyncio.ensure_future(stream(f"new {i}", 10)) for i in range(10)]
     resp = await reconfig
     assert resp.status == 200, await resp.text()

@@ -27,6 +27,7 @@ from engine.server import make_app
 from fairgate.cli import main
 from fairgate.config import FairgateConfig
 from fairgate.engine_cli import build_access, register
+from tests.support.engines import sim_config
 
 Client = TestClient[web.Request, web.Application]
 MakeClient = Callable[..., Awaitable[Client]]
@@ -44,11 +45,6 @@ API_ROUTES = [("POST", "/v1/completions", COMPLETION),
               ("GET", "/v1/models", None), ("GET", "/load", None), ("GET", "/stats", None)]
 ADMIN_ROUTES = [("POST", "/admin/reconfigure", RECONFIGURE), ("GET", "/admin/config", None)]
 OPEN_PATHS = ["/health", "/healthz", "/readyz", "/metrics"]
-
-
-def sim_config() -> EngineConfig:
-    return EngineConfig(executor="sim", sim_model="tiny", max_model_len=256, num_kv_blocks=64,
-                        max_num_batched_tokens=256, max_num_seqs=16)
 
 
 async def keyed(aiohttp_client: MakeClient, **keys: Any) -> Client:

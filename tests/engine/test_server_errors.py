@@ -13,18 +13,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig
 from engine.async_engine import AsyncEngine
 from engine.server import make_app
+from tests.support.engines import sim_config
 
 Client = TestClient[web.Request, web.Application]
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 CHAT = [{"role": "user", "content": "hi"}]
-
-
-def sim_config() -> EngineConfig:
-    return EngineConfig(executor="sim", sim_model="tiny", max_model_len=256, num_kv_blocks=64,
-                        max_num_batched_tokens=256, max_num_seqs=16)
 
 
 @pytest.fixture
@@ -70,6 +65,7 @@ async def assert_openai_error(resp: Any, status: int, param: str | None = None,
     ("/v1/completions", json.dumps({"prompt": "x", "logprobs": 3}).encode(), 400, "logprobs"),
     ("/v1/completions", json.dumps({"prompt": "x", "priority": "vip"}).encode(), 400, "priority"),
     ("/v1/completions", json.dumps({"prompt": "x", "tenant": 7}).encode(), 400, "tenant"),
+    ("/v1/completions", json.dumps({"prompt": "x", "seed": 2**64}).encode(), 400, "seed"),
     ("/v1/completions", json.dumps({"prompt": "x", "min_tokens": 9, "max_tokens": 2}).encode(),
      400, None),
     ("/v1/chat/completions", json.dumps({"max_tokens": 3}).encode(), 400, "messages"),

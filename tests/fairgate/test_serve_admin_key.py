@@ -4,10 +4,8 @@ Kubernetes base and compose give it), and refuses a short one at start with one 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import ADMIN_KEY_ENV
-from tests.gateway.helpers import free_port
-from tests.support.processes import ROOT, wait_for_output
+from tests.support.processes import free_port, spawn_fairgate, wait_for_output
 from tests.support.waiting import poll_until
 
 FILE_KEY = "admin-key-from-the-file"
@@ -33,9 +30,7 @@ def write_config(folder: Path, port: int) -> Path:
 
 
 def serve(config: Path, admin_key: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "fairgate", "serve", "-c", str(config)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), ADMIN_KEY_ENV: admin_key})
+    return spawn_fairgate("serve", "-c", str(config), env={ADMIN_KEY_ENV: admin_key})
 
 
 @pytest.fixture

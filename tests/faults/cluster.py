@@ -24,7 +24,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from tests.faults.services import ROOT, Service
+from tests.faults.services import Service
+from tests.support.processes import ROOT, free_port
 from tests.support.waiting import wait_for
 
 # A decode step of the simulated llama-3-8b on an H100 takes ~8 ms in real time: a stream of
@@ -38,12 +39,6 @@ BACKEND_TIMEOUTS = {"first_byte_timeout_s": 2.0, "stall_timeout_s": 1.0}
 # Two gateways on one machine must not share the metrics listener's fixed default port.
 _OWN_SETTINGS = {"metrics_port": None}
 _KEY_LINE = re.compile(r"for (?P<tenant>\S+) .*?(?P<key>fg-[A-Za-z0-9_-]{20,})")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def accepts(port: int) -> bool:

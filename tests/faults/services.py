@@ -5,10 +5,8 @@ output stays for the key-leak check after the test."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,9 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from tests.support.processes import wait_for_output
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import drain, spawn_fairgate, spawn_module, stop, wait_for_output
 
 
 class Service:
@@ -30,10 +26,7 @@ class Service:
 
     def __init__(self, name: str, args: list[str], cwd: Path) -> None:
         self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fairgate", *args], cwd=cwd,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.proc = spawn_fairgate(*args, cwd=cwd)
         self._lines: list[str] = []
         self._changed = threading.Condition()
         self._eof = False
@@ -94,13 +87,7 @@ class Service:
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 15.0) -> int:
         """Resume (it may be SIGSTOPped), signal, wait; SIGKILL when it does not exit."""
-        self.send(signal.SIGCONT)
-        self.send(sig)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait(timeout)
+        code = stop(self.proc, sig, timeout)
         self._reader.join(10)
         return code
 
@@ -119,18 +106,13 @@ async def serve_forever(app: web.Application, port: int, banner: str) -> None:
 def fake_process(module: str, port: int, args: list[str], cwd: Path) -> Iterator[str]:
     """`python -m module --port PORT ARGS...` (a fake server built on `serve_forever`) in its
     own process, once it listens: its URL; terminated afterwards."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--port", str(port), *args], cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = spawn_module(module, "--port", str(port), *args, cwd=cwd)
     try:
         wait_for_output(proc, b"serving ")
-        assert proc.stdout is not None
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drained to EOF
+        drain(proc)
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop(proc, signal.SIGTERM, 10)
 
 
 async def get_json(session: aiohttp.ClientSession, url: str,

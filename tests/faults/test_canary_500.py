@@ -34,10 +34,10 @@ from tests.faults.cluster import (
     Cluster,
     Fleet,
     StartCluster,
-    free_port,
     start_engine,
 )
 from tests.faults.services import fake_process, get_json, serve_forever
+from tests.support.processes import free_port
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.postgres

@@ -14,10 +14,11 @@ import aiohttp
 import pytest
 import yaml
 
-from tests.faults.cluster import Cluster, Fleet, StartCluster, accepts, free_port, gateway_config
+from tests.faults.cluster import Cluster, Fleet, StartCluster, accepts, gateway_config
 from tests.faults.proxy import TcpProxy
 from tests.faults.services import Service
 from tests.support.postgres import PG_HOST, PG_PORT, PG_USER
+from tests.support.processes import free_port
 from tests.support.waiting import wait_for, wait_until
 
 pytestmark = pytest.mark.postgres

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -22,15 +21,10 @@ from gateway.config import GatewayConfig
 from gateway.state import GATEWAY, METRICS
 from protocol.openai import OpenAIRequest, prompt_text
 from tenants import TenantLimits, TenantStore
+from tests.support.processes import free_port
 
 SIM_ENGINE = EngineConfig(executor="sim", max_model_len=512, max_num_seqs=8,
                           max_num_batched_tokens=512)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def create_tenants(db_url: str, tenants: dict[str, dict[str, Any]]) -> dict[str, str]:

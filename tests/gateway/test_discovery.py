@@ -3,7 +3,6 @@ Service), found again as replicas come and go; one that leaves is drained, then 
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
@@ -15,15 +14,10 @@ from engine.config import EngineConfig
 from engine.server import make_app as make_engine_app
 from gateway.config import GatewayConfig
 from tests.gateway.helpers import collect, completion, start_gateway
+from tests.support.processes import free_port
 from tests.support.waiting import wait_for
 
 ENGINE = EngineConfig(executor="sim", max_model_len=512)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _engine_on(host: str, port: int) -> web.AppRunner:
@@ -35,7 +29,7 @@ async def _engine_on(host: str, port: int) -> web.AppRunner:
 
 async def test_replicas_behind_one_name_are_found_and_leave_cleanly(
         aiohttp_client: Any, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    port = _free_port()
+    port = free_port()
     runners = [await _engine_on(host, port) for host in ("127.0.0.1", "127.0.0.2")]
     answer = ["127.0.0.1", "127.0.0.2"]
     asked: list[tuple[str, int]] = []

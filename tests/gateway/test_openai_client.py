@@ -3,19 +3,13 @@ prints at first start."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.gateway.helpers import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import fairgate_process, free_port
 
 
 @pytest.fixture
@@ -25,41 +19,17 @@ def serve(tmp_path: Path) -> Iterator[tuple[str, str]]:
     config.write_text(f"database: sqlite:///{tmp_path / 'fg.db'}\n"
                       "engine:\n  executor: sim\n  max_model_len: 1024\n"
                       f"gateway:\n  port: {port}\n  metrics_port: 0\n")
-    proc = subprocess.Popen([sys.executable, "-m", "fairgate", "serve", "-c", str(config)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        key = _demo_key(proc)
-        _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
-        yield f"http://127.0.0.1:{port}/v1", key
-    finally:
-        proc.terminate()
-        proc.wait(20)
+    # the metrics line comes once every listener is open; the demo key was printed before it
+    with fairgate_process("serve", "-c", str(config), ready=b"metrics on http://",
+                          timeout=120) as (_, printed):
+        yield f"http://127.0.0.1:{port}/v1", _demo_key(printed)
 
 
-def _demo_key(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.strip().startswith("fg-"):
-            return line.strip()
-    raise AssertionError(f"fairgate serve printed no demo key (exit {proc.poll()})")
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            assert proc.poll() is None, "fairgate serve exited"
-            time.sleep(0.1)
-    raise AssertionError("fairgate serve did not become healthy")
+def _demo_key(printed: bytes) -> str:
+    keys = [line.strip() for line in printed.decode().splitlines()
+            if line.strip().startswith("fg-")]
+    assert len(keys) == 1, f"fairgate serve printed no demo key: {printed[-2000:]!r}"
+    return keys[0]
 
 
 def test_openai_client_chat_and_completions(serve: tuple[str, str]) -> None:

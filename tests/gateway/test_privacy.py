@@ -6,26 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gateway.app import make_metrics_app
 from tenants.keys import generate_key
-from tests.gateway.helpers import completion, create_tenants, free_port, start_gateway
-from tests.support.processes import wait_for_output
+from tests.gateway.helpers import completion, create_tenants, start_gateway
+from tests.support.processes import free_port, spawn_fairgate, wait_for_output
 
-ROOT = Path(__file__).resolve().parents[2]
 SECRET_TENANT = "zebra-private-co"  # a name that appears nowhere but in its own series
 TOKEN = "metrics-token-0123456789"
 
@@ -98,9 +93,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         "database": db, "engine": {"executor": "sim", "max_model_len": 512},
         "gateway": {"port": port, "metrics_port": 0, "demo_tenant": False,
                     "admin_key": "admin-key-0123456789"}}))
-    proc = subprocess.Popen([sys.executable, "-m", "fairgate", "serve", "-c", str(config)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = spawn_fairgate("serve", "-c", str(config))
     try:
         line = wait_for_output(proc, b"metrics on http://", timeout=120)
         metrics_url = re.search(rb"(http://\S+/metrics)", line).group(1).decode()  # type: ignore[union-attr]

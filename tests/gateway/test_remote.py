@@ -10,7 +10,8 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from engine.server import make_app as make_engine_app
-from tests.gateway.helpers import SIM_ENGINE, collect, completion, free_port, start_gateway
+from tests.gateway.helpers import SIM_ENGINE, collect, completion, start_gateway
+from tests.support.processes import free_port
 from tuner.fake_server import SCRIPT, make_fake_app
 
 

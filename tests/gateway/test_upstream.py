@@ -15,7 +15,7 @@ import uvloop
 from aiohttp import web
 
 from gateway.upstream import UpstreamError, UpstreamPool
-from tests.gateway.helpers import free_port
+from tests.support.processes import free_port
 
 pytestmark = pytest.mark.timeout(10)
 

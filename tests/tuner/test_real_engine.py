@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from tests.support.processes import fairgate_engine
 from tuner.loadgen import RunOptions, Target, run_workload
 from tuner.traces import TraceRequest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("engine.server") is None,
@@ -24,35 +17,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def engine_url() -> Iterator[str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "fairgate", "engine", "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                pytest.fail(f"`fairgate engine` exited with {proc.returncode}: {err[-2000:]}")
-            try:
-                urllib.request.urlopen(url + "/v1/models", timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail("`fairgate engine` did not answer /v1/models within 120 s")
-                time.sleep(0.3)
+    with fairgate_engine(timeout=120) as url:  # the default engine: torch on the CPU
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.mark.slow
