@@ -15,17 +15,23 @@ decodes UTF-8 first; line ends and colons are ASCII, so the fields come out the 
     reader.close()  # always [] (the spec discards an unterminated event)
 
 The writer emits LF line ends only: `encode_event(data)`, `sse_json(obj)` and `DONE`.
+
+Which event of an OpenAI stream carries a token is decided here too, once (`read_chunk`,
+`is_token_chunk`): the gateway's backends, the load generator and the shadow sender time and
+count tokens by it, so their TTFT and ITL are one measure.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 DONE = b"data: [DONE]\n\n"
 MESSAGE = b"message"  # the spec's event type when none (or an empty one) is given
 _BOM = b"\xef\xbb\xbf"
+DONE_DATA = b"[DONE]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,3 +166,99 @@ class SSEReader:
         if data:  # no data field: nothing to dispatch
             self._data = []
             events.append(SSEEvent(b"\n".join(data), event or MESSAGE, self._id))
+
+
+# ---- which chunk of an OpenAI stream is a token ------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """One event of an OpenAI completion stream, read: `token` when it carries a generated token
+    (`is_token_chunk`), `done` for the [DONE] marker, `body` the JSON object it holds. `body` is
+    None for [DONE], for JSON that is not an object, and for a plain token (told apart without
+    parsing: nothing in it but the token)."""
+
+    token: bool
+    body: dict[str, Any] | None = None
+    done: bool = False
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The usage counts it carries (the include_usage chunk); None for `usage: null`."""
+        usage = self.body.get("usage") if self.body is not None else None
+        return usage if isinstance(usage, dict) else None
+
+    @property
+    def error(self) -> bool:
+        """An error event (`{"error": {...}}`): the stream failed after it started."""
+        return self.body is not None and "error" in self.body
+
+
+PLAIN_TOKEN = StreamChunk(token=True)
+DONE_CHUNK = StreamChunk(token=False, done=True)
+NOT_AN_OBJECT = StreamChunk(token=False)
+
+# A plain token, told apart by byte search: an open choice whose text or content is a non-empty
+# string, and no usage counts or error to read. These are JSON keys: generated text cannot hold
+# them unescaped (JSON escapes the quotes inside strings). Both spacings (json.dumps' default and
+# compact) are matched; any other spelling takes the parse, which gives the same answer.
+_PLAIN_TEXT = re.compile(rb'"(?:text|content)": ?"[^"]')
+_OPEN_CHOICE, _OPEN_CHOICE_SPACED = b'"finish_reason":null', b'"finish_reason": null'
+_TO_READ = re.compile(rb'"usage": ?\{|"error"')
+_TEXT_KEYS = ("content", "reasoning_content", "reasoning")  # a chat delta's generated text
+
+
+def read_chunk(data: bytes) -> StreamChunk:
+    """What the data of one stream event is (`is_token_chunk` decides `token`). Raises
+    ValueError when the data is not JSON (each reader decides what a garbled stream means)."""
+    if ((_OPEN_CHOICE in data or _OPEN_CHOICE_SPACED in data) and _PLAIN_TEXT.search(data)
+            and not _TO_READ.search(data)):
+        return PLAIN_TOKEN
+    if data.strip() == DONE_DATA:
+        return DONE_CHUNK
+    body = json.loads(data)
+    if not isinstance(body, dict):
+        return NOT_AN_OBJECT
+    return StreamChunk(is_token_chunk(body), body)
+
+
+def is_token_chunk(chunk: dict[str, Any]) -> bool:
+    """Whether a streamed chunk (completion or chat) carries a generated token: a choice whose
+    text (`text`, or the delta's `content`, `reasoning_content` or `reasoning`) is a string, or
+    whose delta holds `tool_calls`; an empty string counts, except in the chat role preamble and
+    the bare finish marker. The rule and why:
+
+    - Text, and empty text: a token. vLLM's `bench serve` (`backend_request_func.py`) counts
+      every event with non-empty `choices` ("text could be empty here, e.g. for special
+      tokens"), and vLLM streams an empty text for a token whose bytes its detokenizer holds
+      back (part of a UTF-8 character) or that decodes to nothing. That token was generated, it
+      is in `usage.completion_tokens`, and the gap before it is a decode step: skipping it
+      would merge two steps into one inter-token gap. fairgate's own engine sends no event for
+      such a token (its next event carries the whole character), so there is nothing to count.
+    - Tool-call deltas and reasoning text: generated tokens, counted as vLLM's benchmark does.
+    - The role-only first chunk of a chat stream (`{"role": "assistant", "content": ""}`): not
+      a token. vLLM's benchmark counts it; here it would time TTFT to the headers of a server
+      that sends it before generating (OpenAI's), and on fairgate and vLLM, which send it
+      with the first token, add a zero gap to ITL and one token too many.
+    - The bare finish marker (`finish_reason` set, no text or an empty one, `delta: {}`):
+      not a token, only the end of one.
+    - The usage chunk (`choices: []`), an error event (`{"error": ...}`) and [DONE] carry no
+      choices: not tokens.
+    """
+    for choice in chunk.get("choices") or ():
+        if isinstance(choice, dict) and _carries_token(choice):
+            return True
+    return False
+
+
+def _carries_token(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        if delta.get("tool_calls"):
+            return True
+        texts = [delta.get(key) for key in _TEXT_KEYS]
+        opening = "role" in delta
+    else:
+        texts, opening = [choice.get("text")], False
+    if any(isinstance(text, str) and text for text in texts):
+        return True
+    empty = "" in texts
+    return empty and not opening and choice.get("finish_reason") is None

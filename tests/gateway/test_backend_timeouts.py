@@ -23,7 +23,7 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from engine.server import make_app as make_engine_app
-from gateway import backends
+from gateway.backends import remote
 from gateway.backends import RemoteBackend
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.upstream import UpstreamPool, UpstreamTimeout
@@ -220,8 +220,8 @@ async def test_whole_answer_is_awaited_while_the_engine_lives_and_fails_once_it_
     """A non-streamed answer comes whole: one longer than the first-byte timeout from an engine
     that passes its health checks arrives; one from an engine that stopped fails soon after
     its health checks do."""
-    monkeypatch.setattr(backends, "HEALTH_TIMEOUT_S", TIMEOUT)
-    monkeypatch.setattr(backends, "HEALTH_INTERVAL_S", 0.05)
+    monkeypatch.setattr(remote, "HEALTH_TIMEOUT_S", TIMEOUT)
+    monkeypatch.setattr(remote, "HEALTH_INTERVAL_S", 0.05)
     h = await two_engines(aiohttp_client, aiohttp_server, db_url, stoppable)
     stoppable.answers.extend([Answer(delay=3 * TIMEOUT), Answer(stop_after=0)])
     resp, raw, took = await timed_post(h, completion())
@@ -273,7 +273,7 @@ async def test_backend_down_warning_says_why(aiohttp_client: Any, aiohttp_server
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A health check that times out names what went unanswered (a bare TimeoutError's text
     is empty)."""
-    monkeypatch.setattr(backends, "HEALTH_TIMEOUT_S", TIMEOUT)
+    monkeypatch.setattr(remote, "HEALTH_TIMEOUT_S", TIMEOUT)
     server = await aiohttp_server(stoppable.app())
     h = await start_gateway(aiohttp_client, db_url,
                             gateway={"backends": [{"url": str(server.make_url("/"))}]})

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-import gateway.backends
+import gateway.backends.discovery
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.server import make_app as make_engine_app
@@ -38,7 +38,7 @@ async def test_replicas_behind_one_name_are_found_and_leave_cleanly(
         asked.append((host, p))
         return list(answer)
 
-    monkeypatch.setattr(gateway.backends, "resolve", resolver)
+    monkeypatch.setattr(gateway.backends.discovery, "resolve", resolver)
     try:
         h = await start_gateway(aiohttp_client, db_url, gateway={"backends": [
             {"url": f"http://engines.example:{port}", "discover": "dns",
@@ -68,7 +68,7 @@ async def test_replicas_behind_one_name_are_found_and_leave_cleanly(
         async def broken(host: str, p: int) -> list[str]:
             raise OSError("name resolution failed")
 
-        monkeypatch.setattr(gateway.backends, "resolve", broken)
+        monkeypatch.setattr(gateway.backends.discovery, "resolve", broken)
         await group.refresh()
         assert len(pool.backends) == 2
     finally:

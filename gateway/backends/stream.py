@@ -1,0 +1,68 @@
+"""SSE pass-through: a remote engine's stream events on their way to the client.
+
+Each event's data is read once (protocol.sse.read_chunk: which events carry a token), its
+tokens and usage noted in the job's `Outcome`, and passed on as the engine sent it, re-encoded
+with LF line ends, except for the usage the client did not ask for: the usage event and the
+`usage: null` of every chunk are dropped (OpenAI sends neither then). The gateway always asks an
+engine for usage, since it settles the tenant's charge exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from gateway.backends.base import Job, Outcome
+from protocol.sse import DONE, PLAIN_TOKEN, StreamChunk, encode_event, read_chunk, sse_json
+
+_USAGE_KEY = b'"usage"'
+_NULL_USAGE_TAILS = (b',"usage":null}', b', "usage": null}')  # the last key of the object
+
+
+def pass_event(data: bytes, job: Job, outcome: Outcome) -> bytes:
+    """One SSE event's data from the backend: what goes on to the client (b"" for nothing),
+    with its token and usage noted in `outcome`."""
+    asked = job.req.include_usage
+    if not asked and data.endswith(_NULL_USAGE_TAILS):
+        # Top-level for sure (it closes the object), so no parse is needed to drop it.
+        data = data[:data.rindex(b",")] + b"}"
+    try:
+        chunk = read_chunk(data)
+    except ValueError:  # not JSON: nothing a client could read
+        return b""
+    if chunk is PLAIN_TOKEN:
+        if asked or _USAGE_KEY not in data:  # the common case: passed on without a parse
+            _note_token(outcome)
+            return encode_event(data)
+        chunk = StreamChunk(token=True, body=json.loads(data))  # a usage key to drop
+    if chunk.done:
+        return DONE
+    body = chunk.body
+    if body is None:  # JSON, not an object
+        return b""
+    usage = chunk.usage
+    if usage:
+        outcome.prompt_tokens = int(usage.get("prompt_tokens", outcome.prompt_tokens))
+        outcome.completion_tokens = int(usage.get("completion_tokens", 0))
+        outcome.usage_reported = True
+    if chunk.error:
+        return sse_json(body)
+    choices = body.get("choices")
+    if not choices:
+        return encode_event(data) if (usage and asked) else b""
+    if chunk.token:
+        _note_token(outcome)
+    reason = choices[0].get("finish_reason")
+    if reason:
+        outcome.finish_reason = reason
+    if "usage" in body and not asked:
+        body.pop("usage")
+        return sse_json(body)
+    return encode_event(data)
+
+
+def _note_token(outcome: Outcome) -> None:
+    """A token event left: its time, and one token more until the engine says the count."""
+    outcome.chunk_times.append(time.perf_counter())
+    if not outcome.usage_reported:
+        outcome.completion_tokens += 1
