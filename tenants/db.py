@@ -9,9 +9,6 @@ when another process committed in between, without waiting for the busy timeout)
 
 from __future__ import annotations
 
-import asyncio
-import random
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -25,6 +22,7 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
+from protocol.retry import Backoff, retry_async, retry_sync
 from tenants.values import TenantError
 
 T = TypeVar("T")
@@ -33,9 +31,13 @@ DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///fairgate.db"
 _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg",
                   "postgres": "postgresql+asyncpg"}
 _BUSY_TIMEOUT_S = 30.0
-_LOCK_RETRIES = 8
+# a transaction SQLite refused for a lock, tried again from scratch; jittered, so two processes
+# that collided do not collide again in lock step
+_LOCK_BACKOFF = Backoff(first_s=0.05, max_s=1.0, attempts=8)
 _PG_CONNECT_TIMEOUT_S = 5.0
-_WAL_RETRIES = 20
+# `PRAGMA journal_mode = WAL` while another process switches the file: short pauses, under a
+# second in all
+_WAL_BACKOFF = Backoff(first_s=0.005, max_s=0.05, attempts=20)
 _PG_COMMAND_TIMEOUT_S = 30.0  # longer than any query fairgate sends takes
 
 
@@ -56,17 +58,12 @@ def normalize_url(url: str) -> str:
 def _switch_to_wal(cursor: Any) -> None:
     """`PRAGMA journal_mode = WAL`, which SQLite answers "database is locked" at once (busy
     timeout or not) while another process is switching the same new file or writing to it
-    in rollback mode; a few short retries outlast that."""
-    for attempt in range(_WAL_RETRIES):
-        try:
-            cursor.execute("PRAGMA journal_mode = WAL")
-            return
-        except Exception as exc:  # the driver's OperationalError, as the adapter re-raises it
-            if "locked" not in str(exc) or attempt == _WAL_RETRIES - 1:
-                raise
-            # A connect hook cannot await: this blocks, only while a new connection opens
-            # during another process's switch (a pool opens few), a few milliseconds at a time.
-            time.sleep(0.005 * (attempt + 1))
+    in rollback mode; a few short retries outlast that. A connect hook cannot await: the
+    pauses block, only while a new connection opens during another process's switch (a pool
+    opens few), a few milliseconds at a time."""
+    # any error whose text says locked: the driver's OperationalError, as the adapter re-raises it
+    retry_sync(lambda: cursor.execute("PRAGMA journal_mode = WAL"), _WAL_BACKOFF,
+               when=lambda exc: "locked" in str(exc))
 
 
 def _install_sqlite_hooks(engine: AsyncEngine) -> None:
@@ -120,16 +117,13 @@ class Database:
     async def run(self, fn: Callable[[AsyncSession], Awaitable[T]], *, write: bool = True) -> T:
         """Run `fn` in one transaction, retried (from scratch) while SQLite reports a lock."""
         factory = self._write if write else self._read
-        for attempt in range(_LOCK_RETRIES):
-            try:
-                async with factory() as session, session.begin():
-                    return await fn(session)
-            except OperationalError as exc:
-                if not is_locked_error(exc) or attempt == _LOCK_RETRIES - 1:
-                    raise
-            # Jitter so two processes that collided do not collide again in lock step.
-            await asyncio.sleep(min(0.05 * 2**attempt, 1.0) * (0.5 + random.random()))
-        raise AssertionError("unreachable")
+
+        async def transaction() -> T:
+            async with factory() as session, session.begin():
+                return await fn(session)
+
+        return await retry_async(transaction, _LOCK_BACKOFF, retry_on=OperationalError,
+                                 when=is_locked_error)
 
     async def dispose(self) -> None:
         await self.engine.dispose()

@@ -59,6 +59,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
 
+from protocol.retry import Backoff, retry_async
 from protocol.serving import wait_event
 from protocol.stats import nearest_rank
 from tenants.models import UsageDeadLetterRow, UsageHourRow, UsageMinuteRow, UsageRow
@@ -73,6 +74,7 @@ _INSERT_CHUNK = 2_000
 _MINUTE_CHUNK = 500  # rollup rows per upsert (16 bound values each)
 _MAX_MINUTE = 2**31 - 1
 PRUNE_EVERY_S = 3600.0  # fg_usage_minutes.minute is a 32-bit integer
+_SHUTDOWN_BACKOFF = Backoff(first_s=0.1, max_s=2.0)  # a flush at shutdown, until its timeout
 LATENCY_COLUMNS = ("ttft", "e2e", "queue_time")
 DEFAULT_DEAD_LETTER_PATH = Path(tempfile.gettempdir()) / "fairgate-usage-dead-letters.jsonl"
 
@@ -569,7 +571,7 @@ class UsageLedger:
         writes it); raises only when there is nowhere to keep it."""
         self._closed = True
         loop = asyncio.get_running_loop()
-        deadline, delay = loop.time() + timeout, 0.1
+        deadline = loop.time() + timeout
         if self._task is not None:
             # Let the loop finish on its own: cancelling it mid-commit could leave a batch both
             # written and back in the buffer, i.e. recorded twice. Only a flush stuck past the
@@ -581,22 +583,22 @@ class UsageLedger:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
             self._task = None
-        while True:
-            try:
-                async with asyncio.timeout(max(deadline - loop.time(), 1.0)):
-                    await self.flush()
-                return
-            except Exception as exc:  # TimeoutError included: a database gone silent
-                if loop.time() + delay > deadline:
-                    if self.spill_path is None:
-                        raise
-                    failure = exc
-                    break
-                log.warning("usage flush at shutdown failed (%d pending), retrying: %s",
-                            self.pending, error_summary(exc))
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 2.0)
-        self._spill(failure)
+
+        async def flush() -> None:
+            async with asyncio.timeout(max(deadline - loop.time(), 1.0)):
+                await self.flush()
+
+        def retrying(exc: BaseException, pause: float) -> None:
+            log.warning("usage flush at shutdown failed (%d pending), retrying: %s",
+                        self.pending, error_summary(exc))
+
+        try:  # TimeoutError retried too: a database gone silent
+            await retry_async(flush, _SHUTDOWN_BACKOFF, deadline=deadline, on_retry=retrying,
+                              clock=loop.time)
+        except Exception as exc:
+            if self.spill_path is None:
+                raise
+            self._spill(exc)
 
     def _spill(self, failure: Exception) -> None:
         assert self.spill_path is not None

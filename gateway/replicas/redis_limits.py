@@ -42,6 +42,8 @@ from gateway.admission import (
     tokens_limited,
 )
 from gateway.metrics import GatewayMetrics
+from protocol.retry import Backoff, retry_async
+from protocol.serving import wait_event
 from tenants import TenantLimits
 
 log = logging.getLogger("fairgate.gateway")
@@ -54,6 +56,9 @@ REDIS_TIMEOUT_S = 0.25
 CALL_TIMEOUT_S = 0.5  # one charge's whole call (connect, handshake, a script reload)
 UPDATE_CONCURRENCY = 16  # settles and refunds in flight at once
 PROBE_INTERVAL_S = 0.5  # how often an unreachable Redis is asked again
+# a settle or refund that failed pauses, then waits for Redis to answer: those one outage caught
+# do not all come back in one burst
+UPDATE_BACKOFF = Backoff(first_s=0.05, max_s=PROBE_INTERVAL_S)
 SHUTDOWN_DRAIN_S = 5.0  # how long a shutdown waits for settles still on their way
 
 # KEYS: log (zset id -> ms), tokens (hash id -> tokens), total (tokens in the window)
@@ -343,26 +348,27 @@ class SharedRateLimiter:
         task.add_done_callback(self._pending.discard)
 
     async def _apply(self, charge: SharedCharge, script: str, args: list[Any]) -> None:
-        """Retried until it lands or its charge has left the window (nothing left to fix); at
-        most UPDATE_CONCURRENCY at once, so a backlog sent when Redis returns does not swamp
-        the pool the live path charges through."""
+        """Retried until it lands or its charge has left the window (nothing left to fix), each
+        try once Redis answers; at most UPDATE_CONCURRENCY at once, so a backlog sent when
+        Redis returns does not swamp the pool the live path charges through."""
         deadline = charge.at + self.period
-        while True:
-            if self.up:
-                try:
-                    async with self._updates:
-                        await self._scripts[script](keys=charge.keys, args=args)
-                    return
-                except Exception as exc:
-                    self._failed(exc)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.dropped += 1
-                log.warning("a rate-limit %s was given up: redis did not answer before its "
-                            "charge left the window", script)
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._back.wait(), left)
+
+        async def land() -> None:
+            if not await wait_event(self._back, deadline - time.monotonic()):
+                raise TimeoutError("redis did not answer")
+            try:
+                async with self._updates:
+                    await self._scripts[script](keys=charge.keys, args=args)
+            except Exception as exc:
+                self._failed(exc)
+                raise
+
+        try:
+            await retry_async(land, UPDATE_BACKOFF, deadline=deadline)
+        except Exception:  # noqa: BLE001 - each failure counted and logged by _failed
+            self.dropped += 1
+            log.warning("a rate-limit %s was given up: redis did not answer before its "
+                        "charge left the window", script)
 
     # ---- up and down ---------------------------------------------------------------------------
     def _failed(self, exc: BaseException) -> None:
@@ -427,8 +433,7 @@ class KeyRevocations:
         has subscribed, when Redis answers."""
         self._listener = asyncio.create_task(self._listen(), name="key-revocations")
         if self.limiter.up:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._subscribed.wait(), self.limiter.call_timeout)
+            await wait_event(self._subscribed, self.limiter.call_timeout)
         try:
             yield
         finally:
