@@ -84,6 +84,7 @@ class AsyncEngine:
         self._pending_tokens = 0
         self._pending_work = 0  # their prompt and max_tokens: outstanding work, for routing
         # engine thread only
+        self._unpended = [0, 0, 0]  # requests, tokens, work that left pending since the snapshot
         self._outputs = OutputProcessor(self._engine, self._record)
         self._reconfigurer: Reconfigurer[_Add] = Reconfigurer(self._engine, self._abort_all)
         # event loop only
@@ -193,10 +194,8 @@ class AsyncEngine:
         return queue
 
     def _admit(self, num_tokens: int) -> None:
-        config, snapshot = self.config, self._snapshot
-        with self._cond:
-            waiting = snapshot["waiting"] + self._pending_requests
-            tokens = snapshot["waiting_tokens"] + self._pending_tokens
+        config, load = self.config, self.load()
+        waiting, tokens = load["waiting"], load["waiting_tokens"]
         if waiting >= config.max_waiting_requests:
             reason = f"{waiting} requests waiting (max_waiting_requests {config.max_waiting_requests})"
         elif tokens + num_tokens > config.max_waiting_tokens:
@@ -243,9 +242,11 @@ class AsyncEngine:
 
     # ---- observation -------------------------------------------------------------------------
     def load(self) -> dict[str, Any]:
-        """What a gateway routes on: a cheap, thread-safe snapshot."""
-        snapshot = dict(self._snapshot)
+        """What a gateway routes on: a cheap, thread-safe snapshot. The snapshot and the
+        pending counts are read together: a request leaves pending when the snapshot that
+        counts it is published, so it is counted once, never twice nor not at all."""
         with self._cond:
+            snapshot = dict(self._snapshot)
             snapshot["waiting"] += self._pending_requests
             snapshot["waiting_tokens"] += self._pending_tokens
             snapshot["outstanding_tokens"] += self._pending_work
@@ -313,10 +314,12 @@ class AsyncEngine:
         self._outputs.track(request, command.stream)
 
     def _unpend(self, command: _Add) -> None:
-        with self._cond:
-            self._pending_requests -= 1
-            self._pending_tokens -= len(command.prompt_token_ids)
-            self._pending_work -= _work(command)
+        """Out of pending at the next snapshot, which counts it as the engine's (or not at all,
+        when it ended)."""
+        unpended = self._unpended
+        unpended[0] += 1
+        unpended[1] += len(command.prompt_token_ids)
+        unpended[2] += _work(command)
 
     def _abort(self, request_id: str) -> None:
         parked = self._reconfigurer.unpark(request_id)
@@ -382,7 +385,13 @@ class AsyncEngine:
         stats["max_model_len"] = self._engine.config.max_model_len
         stats["reconfiguring"] = self._reconfigurer.reconfiguring
         stats["num_steps"] = self._engine.num_steps
-        self._snapshot = stats  # one reference swap: readers see a whole snapshot
+        requests, tokens, work = self._unpended
+        self._unpended = [0, 0, 0]
+        with self._cond:  # readers see a whole snapshot and the pending counts that go with it
+            self._snapshot = stats
+            self._pending_requests -= requests
+            self._pending_tokens -= tokens
+            self._pending_work -= work
 
     def _flush(self) -> None:
         if self._loop is None:

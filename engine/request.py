@@ -145,5 +145,8 @@ class Request:
         return (self.prompt_token_ids + self.output_token_ids)[start:stop]
 
     def estimated_remaining_work(self) -> int:
-        """Tokens of work left: prefill still to compute plus outputs still to generate."""
-        return self.num_remaining_tokens + self.params.max_tokens - self.num_output_tokens
+        """Tokens of work left: prefill still to compute plus outputs still to generate. The
+        last sampled token is not prefill: running it through the model is how the next output
+        comes, so it counts once, as an output left."""
+        prefill_left = self.num_remaining_tokens - (1 if self.output_token_ids else 0)
+        return prefill_left + self.params.max_tokens - self.num_output_tokens

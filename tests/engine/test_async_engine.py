@@ -171,7 +171,9 @@ async def test_too_many_waiting_tokens_is_overloaded() -> None:
 
 async def test_load_reports_outstanding_work_for_routing() -> None:
     """`outstanding_tokens`: every unfinished request's prefill left plus outputs left at most
-    (what a gateway's least-loaded routing weighs), shrinking as outputs come."""
+    (what a gateway's least-loaded routing weighs), shrinking as outputs come. The snapshot
+    that counts a token is published before the token is streamed, so it never lags what a
+    stream has seen; the last sampled token is an output's work, not prefill left too."""
     engine = AsyncEngine(slow_config(max_num_seqs=1))
     await engine.start()
     try:
@@ -181,14 +183,13 @@ async def test_load_reports_outstanding_work_for_routing() -> None:
         waiting = engine.generate("wait", [1] * 300, SamplingParams(max_tokens=50))
         pending = asyncio.create_task(anext(waiting))
         await wait_for(lambda: engine.load()["waiting"] == 1)
-        done = first.num_output_tokens
-        # the waiting one's 300 + 50, the running one's 1000 less what it has generated; the
-        # snapshot is taken once a step, so it may lag the token already streamed by a step
-        await wait_for(lambda: 350 + 1000 - engine.load()["outstanding_tokens"] >= done)
+        # the waiting one's 300 + 50, the running one's 1000 less what it has generated
+        assert engine.load()["outstanding_tokens"] <= 350 + 1000 - first.num_output_tokens
         assert engine.load()["outstanding_tokens"] > 350  # the running one is not done
         await running.aclose()
         await wait_for(lambda: engine.load()["outstanding_tokens"] <= 350)
-        await pending
+        started = await pending  # its prompt is computed: only its outputs are left
+        assert engine.load()["outstanding_tokens"] <= 50 - started.num_output_tokens
         await waiting.aclose()
         await wait_for(lambda: engine.load()["outstanding_tokens"] == 0)
     finally:
