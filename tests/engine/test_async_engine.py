@@ -8,22 +8,10 @@ from typing import Any
 
 import pytest
 
-from engine import EngineConfig, SamplingParams
+from engine import SamplingParams
 from engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, RequestOutput
+from tests.support.engines import realtime_config, sim_config
 from tests.support.waiting import wait_for
-
-
-def sim_config(**changes: Any) -> EngineConfig:
-    base: dict[str, Any] = dict(executor="sim", sim_model="tiny", max_model_len=256,
-                                num_kv_blocks=64, max_num_batched_tokens=256, max_num_seqs=16)
-    base.update(changes)
-    return EngineConfig(**base)
-
-
-def slow_config(**changes: Any) -> EngineConfig:
-    """Real-time modelled steps (about a millisecond each) and room for long outputs."""
-    return sim_config(sim_clock="realtime", sim_hardware="cpu", max_model_len=2048,
-                      num_kv_blocks=512, max_num_batched_tokens=2048, **changes)
 
 
 @pytest.fixture
@@ -76,7 +64,7 @@ async def test_stop_string_ends_the_request_and_is_not_returned(engine: AsyncEng
 
 
 async def test_abort_from_another_coroutine_ends_the_stream() -> None:
-    engine = AsyncEngine(slow_config())
+    engine = AsyncEngine(realtime_config())
     seen: list[RequestOutput] = []
 
     async def consume() -> None:
@@ -97,7 +85,7 @@ async def test_abort_from_another_coroutine_ends_the_stream() -> None:
 
 async def test_leaving_the_iterator_early_aborts_the_request() -> None:
     # real-time steps: on the virtual clock 200 tokens can all be out before the abort lands
-    engine = AsyncEngine(slow_config())
+    engine = AsyncEngine(realtime_config())
     await engine.start()
     try:
         stream = engine.generate("gone", [1, 2], SamplingParams(max_tokens=1000))
@@ -130,6 +118,24 @@ async def test_duplicate_live_request_id_is_refused(engine: AsyncEngine) -> None
     await first.aclose()
 
 
+async def test_reused_request_id_does_not_receive_the_abandoned_streams_outputs() -> None:
+    # A client leaves "x" and a new "x" starts at once: the old request's abort (and any of
+    # its outputs still on the way) must not land in the new stream.
+    engine = AsyncEngine(realtime_config())
+    await engine.start()
+    try:
+        old = engine.generate("x", [1, 2, 3], SamplingParams(max_tokens=500))
+        await anext(old)
+        await old.aclose()
+        outs = [o async for o in engine.generate("x", [1, 2, 3], SamplingParams(max_tokens=5))]
+        assert [o.num_output_tokens for o in outs] == [1, 2, 3, 4, 5]
+        assert outs[-1].finish_reason == "length"
+    finally:
+        await engine.shutdown()
+    load = engine.load()
+    assert load["free_blocks"] == load["num_blocks"]
+
+
 async def test_full_waiting_queue_is_overloaded_with_retry_after() -> None:
     engine = AsyncEngine(sim_config(max_waiting_requests=2, max_num_seqs=1,
                                     max_num_batched_tokens=256))
@@ -154,7 +160,7 @@ async def test_full_waiting_queue_is_overloaded_with_retry_after() -> None:
 async def test_too_many_waiting_tokens_is_overloaded() -> None:
     # max_waiting_tokens must hold one full-length request, so fill the queue first: one
     # request holds the only seat, a second waits with 1,500 tokens, a third would pass 2,048.
-    engine = AsyncEngine(slow_config(max_num_seqs=1, max_waiting_tokens=2048))
+    engine = AsyncEngine(realtime_config(max_num_seqs=1, max_waiting_tokens=2048))
     await engine.start()
     waiting = engine.generate("wait", [1] * 1500, SamplingParams(max_tokens=10))
     try:
@@ -174,7 +180,7 @@ async def test_load_reports_outstanding_work_for_routing() -> None:
     (what a gateway's least-loaded routing weighs), shrinking as outputs come. The snapshot
     that counts a token is published before the token is streamed, so it never lags what a
     stream has seen; the last sampled token is an output's work, not prefill left too."""
-    engine = AsyncEngine(slow_config(max_num_seqs=1))
+    engine = AsyncEngine(realtime_config(max_num_seqs=1))
     await engine.start()
     try:
         assert engine.load()["outstanding_tokens"] == 0
@@ -197,7 +203,7 @@ async def test_load_reports_outstanding_work_for_routing() -> None:
 
 
 async def test_shutdown_aborts_every_stream_and_frees_blocks() -> None:
-    engine = AsyncEngine(slow_config())
+    engine = AsyncEngine(realtime_config())
     await engine.start()
     streams = [engine.generate(f"s{i}", [1, 2, 3], SamplingParams(max_tokens=500))
                for i in range(8)]
@@ -214,7 +220,7 @@ async def test_shutdown_aborts_every_stream_and_frees_blocks() -> None:
 
 
 async def test_reconfigure_drains_then_parked_requests_run_under_new_knobs() -> None:
-    engine = AsyncEngine(slow_config())
+    engine = AsyncEngine(realtime_config())
     batch_sizes: list[tuple[int, int]] = []
 
     class Observer:
@@ -244,7 +250,7 @@ async def test_reconfigure_drains_then_parked_requests_run_under_new_knobs() -> 
 
 
 async def test_reconfigure_abort_running_and_bad_changes() -> None:
-    engine = AsyncEngine(slow_config())
+    engine = AsyncEngine(realtime_config())
     await engine.start()
     try:
         running = asyncio.ensure_future(collect(engine, "r", max_tokens=1000))
@@ -264,7 +270,7 @@ async def test_reconfigure_abort_running_and_bad_changes() -> None:
 
 
 async def test_reconfigure_drain_timeout_aborts_what_still_runs() -> None:
-    engine = AsyncEngine(slow_config())
+    engine = AsyncEngine(realtime_config())
     await engine.start()
     try:
         running = asyncio.ensure_future(collect(engine, "r", max_tokens=2000, prompt=[1]))

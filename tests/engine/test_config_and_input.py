@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -25,6 +27,17 @@ def test_bad_config_names_the_knob(knobs: dict, message: str) -> None:
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize(("knob", "value"), [
+    ("sjf_aging_tokens_per_s", math.inf), ("sjf_aging_tokens_per_s", math.nan),
+    ("swap_space_gb", math.nan), ("swap_space_gb", math.inf), ("device_memory_gb", math.inf),
+    ("device_memory_gb", math.nan), ("enable_prefix_caching", "false"), ("seed", "abc"),
+    ("seed", 1.5), ("long_prefill_token_threshold", True), ("swap_space_gb", True),
+])
+def test_config_refuses_non_finite_and_wrongly_typed_knobs(knob: str, value: object) -> None:
+    with pytest.raises(ValueError, match=knob):
+        EngineConfig(**{knob: value})  # type: ignore[arg-type]
+
+
 def test_unknown_knob_from_yaml_is_named() -> None:
     with pytest.raises(ValueError, match="unknown engine setting.*max_batch"):
         EngineConfig.from_dict({"max_batch": 3})
@@ -45,6 +58,14 @@ def test_bad_sampling_params(knobs: dict, message: str) -> None:
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**70])
+def test_seed_outside_int64_is_refused(seed: int) -> None:
+    # the torch sampler packs seeds into an int64 tensor: one such seed failed the whole batch
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=seed)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+
+
 def engine() -> LLMEngine:
     return LLMEngine(EngineConfig(executor="sim", sim_model="tiny", max_model_len=256,
                                   max_num_batched_tokens=256, max_num_seqs=8, num_kv_blocks=64))
@@ -57,6 +78,7 @@ def engine() -> LLMEngine:
     (dict(prompt_token_ids=[1], priority="urgent"), "unknown priority 'urgent'"),
     (dict(prompt_token_ids=[1, 99999]), "prompt token ids must be integers in [0, 512)"),
     (dict(prompt_token_ids=[1], request_id="dup"), "duplicate request id 'dup'"),
+    (dict(prompt_token_ids=[1], tenant=["acme"]), "tenant"),  # unhashable
 ])
 def test_bad_requests_leave_the_engine_unchanged(args: dict, message: str) -> None:
     eng = engine()

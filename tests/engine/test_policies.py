@@ -98,6 +98,32 @@ def test_fair_share_new_tenant_starts_at_the_current_minimum() -> None:
     assert 4 <= sum(1 for rid in order if rid.startswith("b")) <= 6
 
 
+def test_fair_share_tenant_back_after_an_idle_gap_is_not_starved() -> None:
+    # A is served alone, then B is served alone: B's counter must not restart at zero
+    # below A's, or A, back again, waits until B has been served as much as A ever was.
+    engine = engine_with("fair", max_num_batched_tokens=1024)
+    engine.add_request("a0", [1] * 500, SamplingParams(max_tokens=1), tenant="A")
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("b0", [2] * 10, SamplingParams(max_tokens=5), tenant="B")
+    engine.step()
+    for i in range(1, 6):
+        engine.add_request(f"b{i}", [2] * 10, SamplingParams(max_tokens=5), tenant="B")
+    engine.add_request("a1", [1] * 10, SamplingParams(max_tokens=5), tenant="A")
+    order = admission_order(engine)
+    assert order.index("a1") <= 2, order
+
+
+def test_fair_share_new_tenant_counter_is_the_minimum_of_the_active_ones() -> None:
+    engine = engine_with("fair", max_num_seqs=4, max_num_batched_tokens=1024)
+    engine.add_request("a0", [1] * 100, SamplingParams(max_tokens=50), tenant="A")
+    engine.add_request("b0", [2] * 300, SamplingParams(max_tokens=50), tenant="B")
+    engine.step()
+    counters = engine.scheduler.waiting.counters  # type: ignore[attr-defined]
+    engine.add_request("c0", [3] * 10, SamplingParams(max_tokens=5), tenant="C")
+    assert counters["C"] == min(counters["A"], counters["B"]) > 0
+
+
 def first_step_prefills(engine: LLMEngine) -> set[str]:
     return set(engine.step().scheduled)
 

@@ -197,6 +197,65 @@ def test_interactive_request_does_not_preempt_batch_work_that_cannot_make_room()
     assert "b0" in out.scheduled
 
 
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_interactive_request_is_not_held_back_by_preempted_batch_work(preemption: str) -> None:
+    # b1, preempted for i1, waits (or is swapped) ahead of i2; b0 still holds a seat, so i2
+    # must preempt it rather than wait behind b1 for a seat b1 can never take.
+    engine = make_engine(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=1024,
+                         num_kv_blocks=256, preemption=preemption)
+    for rid in ("b0", "b1"):
+        engine.add_request(rid, [1, 2], SamplingParams(max_tokens=100), priority="batch")
+    engine.step()
+    engine.add_request("i1", [3, 4], SamplingParams(max_tokens=50))
+    assert engine.step().preempted == ["b1"]
+    engine.add_request("i2", [3, 5], SamplingParams(max_tokens=50))
+    out = engine.step()
+    assert out.preempted == ["b0"]
+    assert set(out.scheduled) == {"i1", "i2"}
+    engine.scheduler.check_invariants()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
+
+
+def test_swapped_interactive_work_still_goes_before_new_interactive_work() -> None:
+    # 8 blocks: the interactive requests outgrow them and one is swapped; a new interactive
+    # request must not overtake it (only work that outranks swapped work may pass it).
+    engine = make_engine(num_kv_blocks=8, block_size=16, max_model_len=128, max_num_seqs=8,
+                         max_num_batched_tokens=256, preemption="swap",
+                         enable_prefix_caching=False)
+    for i in range(4):
+        engine.add_request(f"r{i}", [i + 1] * 30, SamplingParams(max_tokens=40))
+    while not engine.scheduler.swapped:
+        engine.step()
+    engine.add_request("late", [9] * 30, SamplingParams(max_tokens=4))
+    while "late" not in engine.step().scheduled:
+        pass
+    assert not engine.scheduler.swapped  # in only once everything swapped came back
+    while engine.has_unfinished():
+        engine.step()
+        engine.scheduler.check_invariants()
+
+
+def test_swapped_interactive_work_comes_back_before_swapped_batch_work() -> None:
+    engine = make_engine(num_kv_blocks=8, block_size=16, max_model_len=128, max_num_seqs=8,
+                         max_num_batched_tokens=256, preemption="swap", swap_space_gb=0.5,
+                         enable_prefix_caching=False)
+    for rid in ("i0", "b0", "i1", "b1", "i2"):
+        engine.add_request(rid, [1] * 30, SamplingParams(max_tokens=60),
+                           priority="batch" if rid[0] == "b" else "interactive")
+    swapped_in_batch = 0
+    while engine.has_unfinished():
+        before = set(engine.scheduler.swapped)
+        out = engine.step()
+        back = before & set(out.scheduled)
+        if any(rid.startswith("b") for rid in back):
+            swapped_in_batch += 1
+            assert not any(r.priority == "interactive" for r in engine.scheduler.swapped.values())
+        engine.scheduler.check_invariants()
+    assert swapped_in_batch
+
+
 def test_fair_share_weights_survive_reconfigure() -> None:
     engine = make_engine(policy="fair")
     engine.set_tenant_weights({"a": 3.0})
