@@ -43,10 +43,10 @@ from engine.config import ENGINE_ADMIN_KEY_ENV, EngineConfig
 from protocol.measures import RequestTiming
 from tuner.engines import DEFAULT_ENGINE, LOOPBACK, Engine, engine_named, flag_value, sets_flag
 from tuner.loadgen import BenchError, RunOptions, Target, run_workload_sync
+from tuner.measures import StopRule
 from tuner.report import Report, RequestResult
 from tuner.traces import TraceRequest
 
-StopRule = Callable[[list[RequestTiming]], str | None]
 READY_TIMEOUT_S = 60.0  # after a reconfiguration
 POLL_S = 0.05
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL

@@ -20,7 +20,8 @@ from urllib.parse import quote
 from engine.config import EngineConfig
 from protocol.measures import RequestTiming
 from protocol.openai import server_root
-from tuner.remote import ReplayRunner, StopRule, error_text, request_json
+from tuner.measures import StopRule
+from tuner.remote import ReplayRunner, error_text, request_json
 from tuner.traces import TraceRequest
 
 POLL_S = 0.25

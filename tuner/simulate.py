@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,9 +21,9 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
 from protocol.measures import RequestTiming
+from tuner.measures import StopRule
 from tuner.traces import TraceRequest
 
-StopRule = Callable[[list[RequestTiming]], str | None]
 _FRUITLESS_SLACK = 100  # preempting steps that run nothing, beyond one per live request
 
 
