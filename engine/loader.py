@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.model import PACKED_WEIGHTS, LlamaForCausalLM, ModelConfig, packed_shard_rows
+from engine.model import PACKED_WEIGHTS, LlamaForCausalLM, packed_shard_rows
+from engine.model_config import ModelConfig
 from engine.presets import model_preset
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -59,11 +60,10 @@ def build_empty(config: ModelConfig, ops: Any, device: torch.device,
 
 def load_random(preset: str, ops: Any, device: torch.device, dtype: torch.dtype,
                 seed: int) -> LoadedModel:
-    shape = model_preset(preset)
-    config = ModelConfig.from_shape(shape)
+    config = model_preset(preset)
     model = build_empty(config, ops, device, dtype)
     init_random_weights(model, seed)
-    tokenizer = ByteTokenizer(vocab_size=shape.vocab_size)
+    tokenizer = ByteTokenizer(vocab_size=config.vocab_size)
     return LoadedModel(model, config, tokenizer, tokenizer.eos_token_ids)
 
 

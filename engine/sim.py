@@ -32,7 +32,8 @@ from typing import Protocol
 from engine.clock import Clock, RealClock
 from engine.config import EngineConfig
 from engine.executor import KVCapacity, ModelOutput
-from engine.presets import ModelShape, model_preset
+from engine.model_config import ModelConfig
+from engine.presets import model_preset
 from engine.scheduler import SchedulerOutput
 from engine.sim_profile import load_profile
 from engine.tokenizer import ByteTokenizer, Tokenizer
@@ -91,7 +92,7 @@ class MemoryPlan:
 
 
 class CostModel:
-    def __init__(self, shape: ModelShape, hardware: Hardware, kv_dtype_bytes: float,
+    def __init__(self, shape: ModelConfig, hardware: Hardware, kv_dtype_bytes: float,
                  weight_dtype_bytes: float = 2.0) -> None:
         self.shape = shape
         self.hardware = hardware
