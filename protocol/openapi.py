@@ -56,7 +56,7 @@ def field_schema(spec: Field) -> Schema:
     return schema
 
 
-def _scalar(spec: Field) -> Schema:
+def _scalar_schema(spec: Field) -> Schema:
     schema: Schema = {"type": [spec.kind, "null"]}
     if spec.minimum is not None:
         schema["exclusiveMinimum" if spec.exclusive_minimum else "minimum"] = spec.minimum
@@ -116,8 +116,9 @@ def _stream_options(spec: Field) -> Schema:
 
 
 _KIND_SCHEMAS: dict[str, Callable[[Field], Schema]] = {
-    "integer": _scalar, "number": _scalar, "string": _scalar, "boolean": _scalar, "any": _any,
-    "max_tokens": lambda spec: _scalar(dataclasses.replace(spec, kind="integer")),
+    "integer": _scalar_schema, "number": _scalar_schema, "string": _scalar_schema,
+    "boolean": _scalar_schema, "any": _any,
+    "max_tokens": lambda spec: _scalar_schema(dataclasses.replace(spec, kind="integer")),
     "prompt": _prompt, "messages": _messages, "stop": _stop, "token_ids": _token_ids,
     "stream_options": _stream_options,
 }
