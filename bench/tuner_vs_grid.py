@@ -12,7 +12,7 @@ per-gap p99 ITL <= --itl (every gap between two tokens pooled over the trial, vL
 default 0.3 s binds the default config, whose per-gap p99 ITL at its TTFT-only capacity is
 ~0.55 s, while vLLM's 512-token-budget configs stay well under it), optionally p99 TPOT.
 The windows are `fairgate tune`'s (`tuner.windows.study_windows`): a train window of 1,000
-requests (`tuner.measures.min_requests(0.99)`) from the trace's start at --rate (the train
+requests (`protocol.stats.min_samples(99)`) from the trace's start at --rate (the train
 window's mean), then 3 held-out windows of the same trace-length replayed at the same speed.
 
 1. Baselines: the default config and vLLM auto_tune's 8 configs (`tuner.baselines.vllm_grid`,
@@ -66,6 +66,7 @@ import optuna  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from fairgate.tune_cli import _BENCH_DEFAULTS  # noqa: E402
 from protocol.measures import SLO  # noqa: E402
+from protocol.stats import min_samples  # noqa: E402
 from tuner.baselines import default_params, vllm_grid  # noqa: E402
 from tuner.bench_cli import plan_requests  # noqa: E402
 from tuner.evaluate import CI_PROBES, CI_STEP, Evaluator  # noqa: E402
@@ -74,7 +75,6 @@ from tuner.measures import (  # noqa: E402
     VIOLATION_CAP,
     constraint_names,
     measure,
-    min_requests,
     slo_text,
 )
 from tuner.runners import SimRunner  # noqa: E402
@@ -125,7 +125,7 @@ class Scenario:
 def scenario(slo: SLO, quick: bool, rate: float) -> Scenario:
     """The train window and held-out windows `fairgate tune --trace ... --rate R` cuts."""
     trace = FULL_TRACE if FULL_TRACE.exists() else HEAD_TRACE
-    wanted = min_requests(slo.target)
+    wanted = min_samples(100 * slo.target)
     total = len(load_trace(trace, "auto"))
     if quick:
         wanted = QUICK_WINDOW

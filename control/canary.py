@@ -71,8 +71,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from gateway.events import RequestFinished, RequestObserver
-from protocol.measures import SLO, RequestTiming, attainment, percentile
+from protocol.measures import SLO, RequestTiming, attainment
 from protocol.serving import wait_event
+from protocol.stats import bootstrap_interval, percentile, percentile_of_sorted
 
 log = logging.getLogger("fairgate.gateway")
 MAX_SERVED = 200_000  # live requests kept for canary windows (a few minutes at high rate)
@@ -168,8 +169,8 @@ def _met(s: Served) -> bool | None:
 
 
 def _p99(values: Iterable[float]) -> float | None:
-    ordered = sorted(values)
-    return percentile(ordered, 99) if ordered else None
+    p99 = percentile(values, 99)
+    return None if math.isnan(p99) else p99
 
 
 def side(served: Sequence[Served]) -> dict[str, Any]:
@@ -259,7 +260,7 @@ def _latency_test(events: Callable[[Served], list[tuple[float, float]]],
     if len(reference) < REFERENCE or not values:
         return {"decision": "undecided", "observations": 0,
                 "note": f"a reference of {len(reference)} requests, {REFERENCE} wanted"}
-    limit = percentile(values, 99)
+    limit = percentile_of_sorted(values, 99)
     theirs = [b for name in {s.backend for s in reference}
               for b in _bursts((e for s in reference if s.backend == name for e in events(s)),
                                limit)]
@@ -304,16 +305,15 @@ def sequential(canary: Sequence[Served], reference: Sequence[Served],
 # ---- the window's judgement ---------------------------------------------------------------------
 def _difference(a: Sequence[bool], b: Sequence[bool], seed: int) -> dict[str, Any]:
     """The difference of two proportions (a's share of True minus b's) with a 95% bootstrap
-    interval, each side resampled on its own: a resample of n yes/no outcomes is a binomial
-    draw, so this costs the same for ten requests as for a million."""
+    interval, each side resampled on its own."""
     if not len(a) or not len(b):
         return {"difference": None, "ci95": [None, None]}
-    rng = np.random.default_rng(seed)
-    pa, pb = sum(a) / len(a), sum(b) / len(b)
-    diffs = (rng.binomial(len(a), pa, RESAMPLES) / len(a)
-             - rng.binomial(len(b), pb, RESAMPLES) / len(b))
-    low, high = np.percentile(diffs, [2.5, 97.5])
-    return {"difference": pa - pb, "ci95": [float(low), float(high)]}
+    low, high = bootstrap_interval(_share_difference, a, b, resamples=RESAMPLES, seed=seed)
+    return {"difference": sum(a) / len(a) - sum(b) / len(b), "ci95": [low, high]}
+
+
+def _share_difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return a.mean(axis=1) - b.mean(axis=1)
 
 
 def _share(canary: int, baseline: int, expected: float) -> dict[str, Any]:

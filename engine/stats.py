@@ -1,7 +1,7 @@
 """Per-request latency records and exact percentiles over a time window (what `GET /stats`
 returns). Histogram buckets blur the tail the tuner optimises, so the records are kept as they
-are and sorted when asked. The measures themselves (TTFT, ITL, TPOT, goodput, percentiles) are
-defined in `protocol.measures`."""
+are and sorted when asked. The measures themselves (TTFT, ITL, TPOT, goodput) are defined in
+`protocol.measures`, the percentile rule in `protocol.stats`."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from functools import cached_property
 from typing import Any
 
 from protocol import measures
-from protocol.measures import percentile, summarize
+from protocol.measures import summarize
 
-__all__ = ["RequestRecord", "StatsRecorder", "percentile", "summarize"]
+__all__ = ["RequestRecord", "StatsRecorder", "summarize"]
 
 SUCCESS_REASONS = ("stop", "length")
 

@@ -66,8 +66,9 @@ from fairgate.config import database_url, load_config_file, section
 from fairgate.engine_cli import parse_overrides
 from fairgate.tenants_common import DEFAULT_CONFIG
 from gateway.config import ADMIN_KEY_ENV  # a tune job's worker gets the key here, never in argv
+from protocol.stats import min_samples
 from tuner.bench_cli import plan_requests
-from tuner.measures import min_requests, slo_text
+from tuner.measures import slo_text
 from tuner.options import (
     ALIASES,
     CLI,
@@ -194,7 +195,7 @@ def build_spec(options: TuneOptions, surface: Surface = CLI, keys: Keys = Keys()
     else:
         holdout = options.holdout_count
         train, held = study_windows(workload_args(options), holdout,
-                                    min_requests(options.slo.target), plan_requests,
+                                    min_samples(100 * options.slo.target), plan_requests,
                                     strict=options.holdout is not None)
         if len(held) < holdout:
             print(f"fairgate tune: the trace holds {len(held)} held-out windows beside the "

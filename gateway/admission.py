@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from protocol.stats import percentile
 from tenants import TenantLimits
 
 PERIOD_S = 60.0
@@ -198,16 +199,10 @@ class OutputEstimator:
         recent.append(output_tokens)
         # Re-sort only now and then: a p90 that lags by a few requests is as good an estimate.
         if len(recent) < 32 or len(recent) % 16 == 0:
-            self._cached[tenant] = _percentile(recent, self.percentile)
+            self._cached[tenant] = int(percentile(recent, self.percentile))
 
     def estimate(self, tenant: str) -> int | None:
         return self._cached.get(tenant)
-
-
-def _percentile(values: deque[int], p: float) -> int:
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, -(-len(ordered) * p // 100) - 1))  # nearest rank
-    return ordered[int(rank)]
 
 
 @dataclass(frozen=True)

@@ -31,15 +31,17 @@ budget (1.0: spending it exactly as fast as allowed).
 Before these names, a stored or configured "ITL" SLO (`slo_itl_p99_s`, `--slo-itl-p99`) bounded
 each request's TPOT; such values are TPOT targets now (tenants migration 0005).
 
+Percentiles are protocol.stats' (the nearest rank: "p99 <= X" exactly when 99% are <= X).
 Standard library only: this is the bottom layer.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+
+from protocol.stats import percentile_of_sorted
 
 QUANTILES = (50, 90, 95, 99)
 
@@ -123,26 +125,16 @@ class RequestTiming:
         return sum(gap <= limit for gap in self.itls), gaps
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Exact percentile with linear interpolation between order statistics (numpy's default);
-    NaN when there are no values."""
-    if not sorted_values:
-        return math.nan
-    rank = (len(sorted_values) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
-
-
 def summarize(values: Iterable[float]) -> dict[str, float | int | None]:
-    """count, mean, max and p50/p90/p95/p99; None instead of NaN so the result is valid JSON."""
+    """count, mean, max and p50/p90/p95/p99 (protocol.stats' percentile rule); None instead of
+    NaN so the result is valid JSON."""
     ordered = sorted(values)
     if not ordered:
         return {"count": 0, "mean": None, "max": None, **{f"p{q}": None for q in QUANTILES}}
     summary: dict[str, float | int | None] = {"count": len(ordered),
                                               "mean": sum(ordered) / len(ordered),
                                               "max": ordered[-1]}
-    summary.update({f"p{q}": percentile(ordered, q) for q in QUANTILES})
+    summary.update({f"p{q}": percentile_of_sorted(ordered, q) for q in QUANTILES})
     return summary
 
 

@@ -13,13 +13,13 @@ ITL is shown as the share of its gaps within the target, which is what "p99 ITL 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import and_, case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from protocol.measures import attainment, budget_left, slo_state
+from protocol.stats import percentile
 from tenants.db import Database
 from tenants.models import UsageHourRow, UsageMinuteRow, UsageRow
 
@@ -71,7 +71,7 @@ async def period_counts(db: Database, now: float) -> dict[str, dict[str, dict[st
 
 async def hour_p99s(db: Database, now: float) -> dict[str, dict[str, float | None]]:
     """tenant -> p99 TTFT and p99 TPOT of its successful requests that finished in the last
-    hour."""
+    hour (protocol.stats' rule: PostgreSQL's percentile_disc, or the rows ranked here)."""
     since = now - 3600
     u = UsageRow
     recent = and_(u.finished_at >= since, u.status == 200)
@@ -80,8 +80,8 @@ async def hour_p99s(db: Database, now: float) -> dict[str, dict[str, float | Non
         out: dict[str, dict[str, float | None]] = {}
         if db.is_postgres:
             query = select(u.tenant,
-                           func.percentile_cont(0.99).within_group(u.ttft).label("ttft"),
-                           func.percentile_cont(0.99).within_group(u.tpot).label("tpot")
+                           func.percentile_disc(0.99).within_group(u.ttft).label("ttft"),
+                           func.percentile_disc(0.99).within_group(u.tpot).label("tpot")
                            ).where(recent).group_by(u.tenant)
             for row in (await s.execute(query)).mappings():
                 out[row["tenant"]] = {"ttft": _finite(row["ttft"]), "tpot": _finite(row["tpot"])}
@@ -93,24 +93,14 @@ async def hour_p99s(db: Database, now: float) -> dict[str, dict[str, float | Non
                 ttfts.append(ttft)
             if tpot is not None:
                 tpots.append(tpot)
-        return {tenant: {"ttft": _p99(a), "tpot": _p99(b)} for tenant, (a, b) in values.items()}
+        return {tenant: {"ttft": _finite(percentile(a, 99)), "tpot": _finite(percentile(b, 99))}
+                for tenant, (a, b) in values.items()}
 
     return await db.run(op, write=False)
 
 
 def _finite(value: Any) -> float | None:
     return float(value) if value is not None and math.isfinite(float(value)) else None
-
-
-def _p99(values: Sequence[float]) -> float | None:
-    """Linear interpolation between order statistics: PostgreSQL's percentile_cont."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * 0.99
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def tenant_slo(counts: dict[str, dict[str, int]], target: float = 0.99) -> dict[str, Any]:

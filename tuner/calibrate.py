@@ -36,6 +36,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sim_profile import FEATURES, SimProfile, step_features
+from protocol.stats import percentile
 from tuner.simulate import PromptBuilder
 from tuner.traces import TraceRequest
 
@@ -251,7 +252,7 @@ def fit(samples: Sequence[Sample]) -> tuple[np.ndarray, dict[str, float]]:
                # R^2 of the steps the fit describes
                "r2": round(r_squared(y[keep], predicted[keep]), 4),
                "median_rel_error": round(float(np.median(relative)), 4),
-               "p90_rel_error": round(float(np.percentile(relative, 90)), 4)}
+               "p90_rel_error": round(float(percentile(relative, 90)), 4)}
     return coefficients, quality
 
 
@@ -386,4 +387,4 @@ def evaluate(model: SimProfile | np.ndarray, samples: Sequence[Sample]) -> dict[
     relative = np.abs(predicted - y) / y
     return {"steps": len(y), "r2": round(r_squared(y, predicted), 4),
             "median_rel_error": round(float(np.median(relative)), 4),
-            "p90_rel_error": round(float(np.percentile(relative, 90)), 4)}
+            "p90_rel_error": round(float(percentile(relative, 90)), 4)}

@@ -16,23 +16,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import optuna
 from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
 
 from engine.config import EngineConfig
 from protocol.measures import SLO
+from protocol.stats import bootstrap_interval
 from tuner.capacity import MAX_FACTOR, mean_rate, scale_arrivals, search_capacity
 from tuner.measures import (
     VIOLATION_CAP,
     StopRule,
     TrialMeasures,
     TrialRun,
+    allowed_misses,
     constraint_names,
     early_stop,
     measure,
     never_stop,
-    rank,
     slo_targets,
 )
 from tuner.outcome import knob_text
@@ -187,7 +187,7 @@ def capacity_bounds(probe: Callable[[float], TrialMeasures | None],
         return not m.failed and all(m.interval(n)[1] <= t for n, t in slo_targets(slo))
 
     def surely_missed(m: TrialMeasures) -> bool:
-        return m.failed > m.requests - rank(m.requests, m.target) or any(
+        return m.failed > allowed_misses(m.requests, m.target) or any(
             m.interval(n)[0] > t for n, t in slo_targets(slo))
 
     def bound(sure: Callable[[TrialMeasures], bool], side: Callable[[float], bool],
@@ -228,12 +228,11 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def _tokens_interval(run: TrialRun, resamples: int = 200) -> tuple[float, float]:
     """Output tokens/s's 95% interval, by bootstrap over the run's requests."""
-    tokens = np.asarray([t.num_output_tokens if t.ok else 0 for t in run.timings], dtype=float)
-    if not len(tokens) or run.elapsed_s <= 0:
+    tokens = [t.num_output_tokens if t.ok else 0 for t in run.timings]
+    if not tokens or run.elapsed_s <= 0:
         return 0.0, 0.0
-    draws = np.random.default_rng(0).choice(tokens, size=(resamples, len(tokens))).sum(axis=1)
-    low, high = np.quantile(draws / run.elapsed_s, [0.025, 0.975])
-    return float(low), float(high)
+    return bootstrap_interval(lambda rows: rows.sum(axis=1) / run.elapsed_s, tokens,
+                              resamples=resamples)
 
 
 def _beat(trial: optuna.Trial) -> None:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
-from protocol.measures import RequestTiming, percentile
+from protocol.measures import RequestTiming
+from protocol.stats import percentile_of_sorted
 from tuner.simulate import SimResult, _Replay, simulate
 from tuner.traces import TraceRequest
 
@@ -81,5 +82,7 @@ def fidelity_figures(result: SimResult) -> Figures:
     tokens = sum(t.num_output_tokens for t in done)
     return Figures(requests=len(done),
                    throughput_tok_s=tokens / result.elapsed_s if result.elapsed_s > 0 else 0.0,
-                   ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
-                   tpot_p50_s=percentile(tpots, 50), tpot_p99_s=percentile(tpots, 99))
+                   ttft_p50_s=percentile_of_sorted(ttfts, 50),
+                   ttft_p99_s=percentile_of_sorted(ttfts, 99),
+                   tpot_p50_s=percentile_of_sorted(tpots, 50),
+                   tpot_p99_s=percentile_of_sorted(tpots, 99))

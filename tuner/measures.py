@@ -1,9 +1,8 @@
-"""A trial's measures: pooled p99s with bootstrap intervals, and the early-stop rule.
+"""A trial's measures: pooled p99s with their intervals, and the early-stop rule.
 
-p99 here is the nearest-rank order statistic, with a failed or refused request counted as an
-infinite TTFT and TPOT: then "p99 <= SLO" holds exactly when at least 99% of the requests met
-it, protocol.measures' SLO attainment definition (linear interpolation would let one failed
-request in a hundred make the p99 infinite).
+p99 is protocol.stats' percentile (the nearest rank), with a failed or refused request counted
+as an infinite TTFT and TPOT: then "p99 <= SLO" holds exactly when at least 99% of the requests
+met it, protocol.measures' SLO attainment definition.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from protocol.measures import SLO, RequestTiming, error_budget, goodput
+from protocol.stats import nearest_rank, percentile_interval, tail_samples
 from tuner.traces import TraceRequest
 
 StopRule = Callable[[list[RequestTiming]], str | None]
@@ -61,7 +61,7 @@ class TrialMeasures:
     @property
     def tail_samples(self) -> float:
         """How many requests lie beyond the p99: the sample its estimate rests on."""
-        return self.requests * (1.0 - self.target)
+        return tail_samples(self.requests, 100 * self.target)
 
     def p99(self, name: str) -> float:
         """The p99 of one constraint ("p99_ttft", "p99_tpot", "p99_itl"), seconds."""
@@ -131,42 +131,6 @@ def margin_text(value: float, target: float) -> str:
     return f"{value / target - 1:+.0%}"
 
 
-MIN_TAIL_SAMPLES = 10  # a p99 resting on fewer requests beyond it is mostly noise
-
-
-def min_requests(target: float) -> int:
-    """The fewest requests whose `target` quantile rests on MIN_TAIL_SAMPLES beyond it
-    (1,000 for a p99)."""
-    return math.ceil(MIN_TAIL_SAMPLES / error_budget(target) - 1e-9)
-
-
-def rank(n: int, target: float) -> int:
-    """1-based nearest rank of the `target` quantile of n values."""
-    return max(1, math.ceil(target * n - 1e-9))
-
-
-def quantile_ci(values: Sequence[float] | np.ndarray, target: float,
-                confidence: float = 0.95) -> tuple[float, tuple[float, float]]:
-    """The nearest-rank `target` quantile and its distribution-free `confidence` interval:
-    the order statistics whose ranks bound where the true quantile's rank falls among n
-    independent draws (binomial, normal approximation). Exact in what it assumes, cheap for
-    the hundreds of thousands of gaps an ITL p99 pools, and deterministic. NaN for no values."""
-    data = np.asarray(values, dtype=float)
-    n = len(data)
-    if n == 0:
-        return math.nan, (math.nan, math.nan)
-    k = rank(n, target)
-    z = _Z[confidence]
-    spread = z * math.sqrt(n * target * (1.0 - target))
-    low_rank = max(1, math.floor(n * target - spread))
-    high_rank = min(n, math.ceil(n * target + spread) + 1)
-    ordered = np.partition(data, sorted({k - 1, low_rank - 1, high_rank - 1}))
-    return float(ordered[k - 1]), (float(ordered[low_rank - 1]), float(ordered[high_rank - 1]))
-
-
-_Z = {0.9: 1.6449, 0.95: 1.96, 0.99: 2.5758}
-
-
 def measure(run: TrialRun, planned: int, slo: SLO) -> TrialMeasures:
     """Pooled over every planned request; a failed, refused or missing one is a miss (an
     infinite TTFT, TPOT and gap)."""
@@ -175,11 +139,12 @@ def measure(run: TrialRun, planned: int, slo: SLO) -> TrialMeasures:
     failed = [t for t in timings if not t.ok]
     ttfts = [t.ttft if t.ok and t.ttft is not None else math.inf for t in timings]
     tpots = [v for t in timings if (v := t.tpot if t.ok else math.inf) is not None]
-    ttft = quantile_ci(ttfts + [math.inf] * missing, slo.target)
+    q = 100 * slo.target
+    ttft = percentile_interval(ttfts + [math.inf] * missing, q)
     # no request with two tokens has no gap to miss: its p99 TPOT and ITL are 0, not NaN
-    tpot = quantile_ci(tpots + [math.inf] * missing or [0.0], slo.target)
+    tpot = percentile_interval(tpots + [math.inf] * missing or [0.0], q)
     gaps = _gaps(timings, len(failed) + missing)
-    itl = quantile_ci(gaps if len(gaps) else [0.0], slo.target)
+    itl = percentile_interval(gaps if len(gaps) else [0.0], q)
     good = goodput(timings, run.elapsed_s, slo)
     tokens = sum(t.num_output_tokens for t in timings if t.ok)
     refused: Counter[str] = getattr(run, "refused", None) or Counter()
@@ -219,10 +184,9 @@ class EarlyStop:
 
     def __init__(self, requests: Sequence[TraceRequest], slo: SLO) -> None:
         self.planned, self.slo = len(requests), slo
-        self.allowed = self.planned - rank(self.planned, slo.target)
+        self.allowed = allowed_misses(self.planned, slo.target)
         self.planned_gaps = sum(max(0, r.output_tokens - 1) for r in requests)
-        self.allowed_gaps = (self.planned_gaps - rank(self.planned_gaps, slo.target)
-                             if self.planned_gaps else 0)
+        self.allowed_gaps = allowed_misses(self.planned_gaps, slo.target)
         self._list: list[RequestTiming] | None = None
         self._reset([])
 
@@ -252,6 +216,12 @@ class EarlyStop:
             return (f"stopped early: {self._missed_gaps} of {self.planned_gaps} planned gaps "
                     f"between tokens missed the ITL SLO, {budget}")
         return None
+
+
+def allowed_misses(n: int, target: float) -> int:
+    """How many of n requests (or gaps) may miss a target that `target` of them must meet
+    while their p99 still meets it."""
+    return n - nearest_rank(n, 100 * target) if n else 0
 
 
 def never_stop(finished: list[RequestTiming]) -> str | None:

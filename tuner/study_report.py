@@ -22,11 +22,12 @@ import optuna
 import yaml
 
 from engine.config import EngineConfig
+from protocol.stats import MIN_TAIL_SAMPLES, min_samples, tail_samples
 from tuner import recheck as recheck_table
 from tuner import report_html as html
 from tuner.engines import DEFAULT_ENGINE, engine_named
 from tuner.evaluate import wilson
-from tuner.measures import MIN_TAIL_SAMPLES, min_requests, seconds_text, slo_text
+from tuner.measures import seconds_text, slo_text
 from tuner.outcome import (
     StudyOutcome,
     TrialRow,
@@ -316,8 +317,8 @@ def sample_text(spec: TuneSpec) -> str:
     if spec.mode == "shadow":
         return ""
     n = len(spec.requests)
-    tail = n * (1 - spec.slo.target)
-    needed = min_requests(spec.slo.target)
+    tail = tail_samples(n, 100 * spec.slo.target)
+    needed = min_samples(100 * spec.slo.target)
     text = (f"{n} requests a window: each p99 rests on {tail:.3g} requests beyond it")
     return text + ("" if n >= needed else
                    f" (fewer than {MIN_TAIL_SAMPLES}: noise may pick the winner; "

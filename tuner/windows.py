@@ -10,7 +10,7 @@ stretch that holds `duration` x `rate` requests, or (neither given) `min_request
 A synthetic workload or tenant mix is drawn again with other seeds; without `duration`, each
 draw lasts long enough for `min_requests`.
 
-`min_requests` (1,000 for a p99: `tuner.measures.min_requests`) is what a p99 needs to rest on
+`min_requests` (1,000 for a p99: `protocol.stats.min_samples`) is what a p99 needs to rest on
 ten requests beyond it; fewer is allowed, and the report says how many it rests on.
 """
 

@@ -1,12 +1,11 @@
-"""Exact percentiles, windows and goodput of engine.stats."""
+"""Exact percentiles, windows and goodput of engine.stats (the percentile rule itself:
+tests/protocol/test_stats.py)."""
 
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given
-from hypothesis import strategies as st
 
-from engine.stats import RequestRecord, StatsRecorder, percentile, summarize
+from engine.stats import RequestRecord, StatsRecorder, summarize
 
 
 def record(i: int, arrival: float, ttft: float, itl: float, n: int,
@@ -15,11 +14,6 @@ def record(i: int, arrival: float, ttft: float, itl: float, n: int,
     times = tuple(first + k * itl for k in range(n))
     return RequestRecord(f"r{i}", "t", "interactive", reason, arrival, times[-1] if times else first,
                          arrival + ttft / 2, first if times else None, times, 10, n)
-
-
-@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.sampled_from([0, 50, 90, 99, 100]))
-def test_percentile_matches_numpy(values: list[float], q: int) -> None:
-    assert np.isclose(percentile(sorted(values), q), np.percentile(values, q), rtol=1e-9, atol=1e-6)
 
 
 def test_summary_of_nothing_is_json_safe() -> None:
@@ -36,7 +30,7 @@ def test_window_latencies_throughput_and_goodput() -> None:
     stats.reject(105.0, "overloaded")
     out = stats.window(now=110.0, window_s=20.0, slo_ttft=0.25, slo_tpot=0.05, slo_itl=0.05)
     assert out["requests"] == {"finished": 5, "by_reason": {"length": 4, "abort": 1}}
-    assert out["ttft"]["count"] == 4 and np.isclose(out["ttft"]["p50"], 0.25)
+    assert out["ttft"]["count"] == 4 and np.isclose(out["ttft"]["p50"], 0.2)  # the 2nd of 4
     assert out["itl"]["count"] == 4 * 5 and np.isclose(out["itl"]["p99"], 0.02)
     assert np.isclose(out["tpot"]["mean"], 0.02)
     assert np.isclose(out["queue_time"]["max"], 0.2)

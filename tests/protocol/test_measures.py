@@ -15,7 +15,7 @@ from engine.stats import RequestRecord, StatsRecorder
 from gateway.backends import Outcome
 from gateway.metrics import GatewayMetrics
 from gateway.service import Admission, Gateway
-from protocol.measures import SLO, RequestTiming, attainment, goodput, percentile, summarize
+from protocol.measures import SLO, RequestTiming, attainment, goodput, summarize
 from tuner.report import Report, RequestResult
 
 
@@ -208,14 +208,6 @@ def test_gaps_within_counts_a_requests_part_of_the_pooled_itl() -> None:
     met, gaps = stalled.gaps_within(SLO(itl_s=0.5))  # 99 gaps of 0.5 s, one of 2 s
     assert (met, gaps) == (99, 100) and attainment(met, gaps)["burn_rate"] == pytest.approx(1.0)
     assert stalled.meets(SLO(tpot_s=0.52))  # TPOT hardly sees the stall: 51.5 s / 100
-
-
-def test_percentile_edge_cases() -> None:
-    assert math.isnan(percentile([], 50))
-    assert percentile([3.0], 0) == percentile([3.0], 99) == 3.0
-    assert percentile([1.0, 2.0], 50) == 1.5
-    assert percentile([1.0, 2.0, 4.0], 0) == 1.0 and percentile([1.0, 2.0, 4.0], 100) == 4.0
-    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
 
 
 def test_summarize() -> None:

@@ -15,7 +15,8 @@ from engine.presets import model_preset
 from engine.request import Request, SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.sim import HARDWARE_PRESETS, CostModel
-from protocol.measures import RequestTiming, percentile
+from protocol.measures import RequestTiming
+from protocol.stats import percentile
 from tuner import bench_cli
 from tuner.simulate import PromptBuilder, SimResult, sample_workload, simulate
 from tuner.traces import TraceRequest, write_fairgate_trace
@@ -41,7 +42,7 @@ def poisson(n: int, rate: float, prompt: int = 200, output: int = 20) -> list[Tr
 
 
 def ttft_p99(result: SimResult) -> float:
-    return percentile(sorted(t.ttft for t in result.timings if t.ttft is not None), 99)
+    return percentile((t.ttft for t in result.timings if t.ttft is not None), 99)
 
 
 def test_a_lone_request_is_timed_by_the_cost_model_step_by_step() -> None:

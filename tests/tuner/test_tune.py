@@ -12,8 +12,9 @@ import pytest
 from fairgate.cli import main
 from fairgate.engine_cli import build_config
 from protocol.measures import SLO, RequestTiming, attainment
+from protocol.stats import percentile_interval
 from tuner.capacity import mean_rate, scale_arrivals, search_capacity
-from tuner.measures import early_stop, measure, quantile_ci
+from tuner.measures import early_stop, measure
 from tuner.runners import SimRunner
 from tuner.simulate import simulate
 from tuner.space import build_config as build_space_config
@@ -219,7 +220,7 @@ def test_p99_meets_the_slo_exactly_when_attainment_does(n: int) -> None:
     slo = 1.0
     for misses in range(0, min(n, 5) + 1):
         values = [0.5] * (n - misses) + [math.inf] * misses
-        p99, _ = quantile_ci(values, 0.99)
+        p99, _ = percentile_interval(values, 99)
         met = attainment(n - misses, n)["fraction"]
         assert met is not None
         assert (p99 <= slo) == (met >= 0.99), (n, misses)

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from fairgate.cli import main
+from protocol.stats import percentile
 from tests.support.processes import fairgate_engine
-from tuner.measures import quantile_ci
 
 TRACE = Path(__file__).parent / "data" / "azure_conv_head.csv"
 WORKLOAD = ["--trace", str(TRACE), "--rate", "0.65", "--duration", "45"]  # 30 requests
@@ -26,8 +26,8 @@ def p99s(rows: list[dict[str, str]]) -> tuple[float, float]:
     def value(row: dict[str, str], name: str) -> float:
         return float(row[name]) if row["status"] == "ok" and row[name] else math.inf
 
-    return (quantile_ci([value(r, "ttft_s") for r in rows], 0.99)[0],
-            quantile_ci([value(r, "tpot_s") for r in rows], 0.99)[0])
+    return (percentile([value(r, "ttft_s") for r in rows], 99),
+            percentile([value(r, "tpot_s") for r in rows], 99))
 
 
 @pytest.mark.xdist_group("realtime")
