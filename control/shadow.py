@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from gateway.config import ShadowConfig
 from gateway.events import RequestAdmitted, RequestFinished, RequestObserver
 from gateway.metrics import GatewayMetrics
 from protocol.measures import SLO, RequestTiming, summarize
+from protocol.stats import bootstrap_interval, percentile_of_sorted, row_percentiles
 
 log = logging.getLogger("fairgate.gateway")
 MAX_PAIRS = 50_000  # completed pairs kept per target (the longest window's worth at high rate)
@@ -259,16 +259,11 @@ def _ratios(pairs: Sequence[Pair],
             measure: Callable[[RequestTiming], float | None]) -> dict[str, float | int | None]:
     live, shadow = _both(pairs, measure)
     keep = live > 0
-    ratios = shadow[keep] / live[keep]
+    ratios = np.sort(shadow[keep] / live[keep])
     if not len(ratios):
         return {"pairs": 0, "p10": None, "p50": None, "p90": None}
-    p10, p50, p90 = np.percentile(ratios, [10, 50, 90])
-    return {"pairs": int(len(ratios)), "p10": float(p10), "p50": float(p50), "p90": float(p90)}
-
-
-def _p99(values: np.ndarray) -> float:
-    k = max(1, math.ceil(0.99 * len(values) - 1e-9)) - 1  # nearest rank, as the tuner's
-    return float(np.partition(values, k)[k])
+    return {"pairs": int(len(ratios)),
+            **{f"p{q}": float(percentile_of_sorted(ratios, q)) for q in (10, 50, 90)}}
 
 
 def _p99_difference(pairs: Sequence[Pair], measure: Callable[[RequestTiming], float | None],
@@ -278,19 +273,15 @@ def _p99_difference(pairs: Sequence[Pair], measure: Callable[[RequestTiming], fl
     live, shadow = _both(pairs, measure)
     if not len(live):
         return {"pairs": 0, "shadow_minus_live_s": None, "ci95": [None, None]}
-    point = _p99(shadow) - _p99(live)
-    rng = np.random.default_rng(seed)
-    k = max(1, math.ceil(0.99 * len(live) - 1e-9)) - 1
-    diffs = []
-    batch = max(1, min(BOOTSTRAP_RESAMPLES, 1_000_000 // len(live)))  # ~8 MB at a time
-    for start in range(0, BOOTSTRAP_RESAMPLES, batch):
-        picks = rng.integers(0, len(live), size=(min(batch, BOOTSTRAP_RESAMPLES - start),
-                                                 len(live)))
-        diffs.append(np.partition(shadow[picks], k, axis=1)[:, k]
-                     - np.partition(live[picks], k, axis=1)[:, k])
-    low, high = np.percentile(np.concatenate(diffs), [2.5, 97.5])
-    return {"pairs": int(len(live)), "shadow_minus_live_s": point,
-            "ci95": [float(low), float(high)]}
+    low, high = bootstrap_interval(_p99_difference_of_rows, live, shadow, paired=True,
+                                   resamples=BOOTSTRAP_RESAMPLES, seed=seed)
+    return {"pairs": int(len(live)),
+            "shadow_minus_live_s": float(_p99_difference_of_rows(live, shadow)),
+            "ci95": [low, high]}
+
+
+def _p99_difference_of_rows(live: np.ndarray, shadow: np.ndarray) -> np.ndarray:
+    return row_percentiles(shadow, 99) - row_percentiles(live, 99)
 
 
 def _attainment(pairs: Sequence[Pair], side: str) -> dict[str, dict[str, Any]]:
