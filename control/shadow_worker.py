@@ -43,7 +43,7 @@ from typing import IO, Any
 from gateway.config import ShadowConfig
 from gateway.metrics import ITL_BUCKETS, LATENCY_BUCKETS
 from gateway.upstream import UpstreamError, UpstreamPool
-from protocol.sse import SSEReader
+from protocol.sse import SSEReader, read_chunk
 
 log = logging.getLogger("fairgate.shadow")
 FLUSH_S = 0.025  # a copy's result waits at most this long to go back
@@ -230,7 +230,9 @@ class _Target:
         return json.dumps(copy, separators=(",", ":")).encode()
 
     async def _read(self, resp: Any, stamps: list[float]) -> tuple[int | None, bool]:
-        """Read the stream to its end, stamping each token event; (usage tokens, ended well)."""
+        """Read the stream to its end, stamping each token event (protocol.sse.read_chunk
+        decides which are: the gateway and the load generator count the same ones); (usage
+        tokens, ended well)."""
         reader = SSEReader()
         tokens: int | None = None
         done = False
@@ -238,49 +240,19 @@ class _Target:
         while data := await resp.next_chunk():
             now = time.perf_counter()
             for event in reader.feed(data):
-                data = event.data
-                if data == b"[DONE]":
-                    done = True
-                    continue
-                if plain_text(data):  # the common event: a token, told apart without parsing
-                    stamps.append(now)
-                    continue
                 try:
-                    message = json.loads(data)
-                except ValueError:
+                    chunk = read_chunk(event.data)
+                except ValueError:  # not JSON: nothing to time
                     continue
-                if "error" in message:
+                if chunk.error:
                     return tokens, False
-                usage = message.get("usage")
-                if isinstance(usage, dict) and "completion_tokens" in usage:
+                done = done or chunk.done
+                usage = chunk.usage
+                if usage is not None and "completion_tokens" in usage:
                     tokens = int(usage["completion_tokens"])
-                if _has_text(message):
+                if chunk.token:
                     stamps.append(now)
         return tokens, done
-
-
-_TEXT_OPENERS = (b'"text":"', b'"text": "', b'"content":"', b'"content": "')
-_EMPTY_TEXTS = (b'"text":""', b'"text": ""', b'"content":""', b'"content": ""')
-_PARSE_MARKERS = (b'"usage":{', b'"usage": {', b'"error"')  # `"usage": null` needs no parse
-
-
-def plain_text(data: bytes) -> bool:
-    """A token event with nothing else to read: non-empty text and no usage or error. The byte
-    patterns are JSON keys: generated text cannot hold them unescaped."""
-    return (any(o in data for o in _TEXT_OPENERS) and not any(e in data for e in _EMPTY_TEXTS)
-            and not any(m in data for m in _PARSE_MARKERS))
-
-
-def _has_text(message: dict[str, Any]) -> bool:
-    for choice in message.get("choices") or ():
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        text = choice.get("text") if delta is None else (
-            delta.get("content") if isinstance(delta, dict) else None)
-        if text:
-            return True
-    return False
 
 
 class Worker:

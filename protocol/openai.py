@@ -578,25 +578,6 @@ class ResponseWriter:
                 "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def token_choices(choices: Any) -> int:
-    """How many of a streamed chunk's choices carry generated text. Empty text still counts (a
-    byte-level token may decode to nothing yet) unless it is the chat role preamble or the
-    bare finish marker."""
-    count = 0
-    for choice in choices or ():
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            text = delta.get("content")
-            opening = "role" in delta
-        else:
-            text, opening = choice.get("text"), False
-        if text or (text == "" and choice.get("finish_reason") is None and not opening):
-            count += 1
-    return count
-
-
 def error_event(error: ApiError) -> bytes:
     """An error after the stream started: the status line is gone, so it travels as an event
     (the caller ends the stream with `protocol.sse.DONE`)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,8 +23,8 @@ from typing import Any
 import aiohttp
 import yarl
 
-from protocol.openai import server_root, token_choices
-from protocol.sse import SSEReader
+from protocol.openai import server_root
+from protocol.sse import SSEReader, read_chunk
 from protocol.validators import check_choice, check_positive_int
 from tuner.report import OK, Report, RequestResult
 from tuner.traces import TraceRequest
@@ -348,14 +347,9 @@ def _error_message(body: bytes) -> str:
     return text[:200]
 
 
-# Plain mid-stream events (open choices, nothing else) are counted by a byte search, without
-# json.loads: JSON escapes quotes inside strings, so generated text cannot fake these markers.
-# Any other event (role preamble, last token, usage, errors, other spacing) is parsed.
-_OPEN_CHOICE = b'"finish_reason":null'
-_NOT_PLAIN = re.compile(rb'"(?:usage|error|role)"')  # one pass instead of three `in` scans
-
-
 async def _read_stream(resp: aiohttp.ClientResponse, start: float, result: RequestResult) -> None:
+    """Stamp each token event (protocol.sse.read_chunk decides which are: the gateway and the
+    shadow sender count the same ones); garbled JSON raises ValueError, a stream error."""
     stamps: list[float] = []  # one per token-carrying event
     usage: dict[str, Any] | None = None
     reader = SSEReader()
@@ -363,30 +357,15 @@ async def _read_stream(resp: aiohttp.ClientResponse, start: float, result: Reque
         now = time.perf_counter()  # events in one network read arrived together
         tokens = 0
         for event in reader.feed(chunk):
-            data = event.data
-            plain = data.count(_OPEN_CHOICE)
-            if plain and _NOT_PLAIN.search(data) is None:
-                tokens += plain
-                continue
-            parsed = _parse_event(data)
-            if parsed is None:
-                continue
-            if "error" in parsed:
-                result.status, result.error = "stream error", _error_message(data)
+            read = read_chunk(event.data)
+            if read.error:
+                result.status, result.error = "stream error", _error_message(event.data)
                 return
-            usage = parsed.get("usage") or usage
-            tokens += token_choices(parsed.get("choices"))
+            usage = read.usage or usage
+            tokens += read.token
         if tokens:
             stamps.extend([now] * tokens)
     _finish(result, start, time.perf_counter(), stamps, usage)
-
-
-def _parse_event(data: bytes) -> dict[str, Any] | None:
-    """The JSON object an event's data holds; None for the [DONE] marker and non-objects."""
-    if data.strip() == b"[DONE]":
-        return None
-    event = json.loads(data)
-    return event if isinstance(event, dict) else None
 
 
 def _finish(

@@ -342,20 +342,3 @@ def test_each_side_has_tpot_per_request_and_itl_over_every_gap() -> None:
     assert shadow["slo_attainment"]["acme"]["fraction"] == 1.0
     assert set(stats["p99_difference"]) == set(stats["ratio"]) == {"ttft", "tpot", "e2e"}
     assert stats["p99_difference"]["tpot"]["shadow_minus_live_s"] > 0
-
-
-@pytest.mark.parametrize(("data", "token"), [
-    (b'{"choices":[{"index":0,"text":"a","finish_reason":null}]}', True),
-    (b'{"choices": [{"delta": {"content": "hi"}, "finish_reason": null}]}', True),
-    (b'{"choices":[{"delta":{"role":"assistant","content":""}}]}', False),
-    (b'{"choices":[{"text":"","finish_reason":"length"}],"usage":null}', False),
-    (b'{"choices":[],"usage":{"completion_tokens":3}}', False),
-    (b'{"choices":[{"text":"a","finish_reason":null}],"usage":null}', True),
-    (b'{"choices":[{"text":"z","finish_reason":"stop"}],"usage": {"completion_tokens":3}}',
-     False),  # parsed: its usage is read, and its text still counts as a token
-    (b'{"error":{"message":"text\\":\\"x"}}', False),
-])
-def test_token_events_are_told_apart_without_parsing(data: bytes, token: bool) -> None:
-    from control.shadow_worker import plain_text
-
-    assert plain_text(data) is token
