@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import math
 import random
 import sys
 import tempfile
@@ -48,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.gateway_overhead import poisson, start_gateway, stop  # noqa: E402
+from protocol.stats import percentile  # noqa: E402
 from tuner.loadgen import RunOptions, Target, run_workload  # noqa: E402
 from tuner.report import Report  # noqa: E402
 
@@ -125,7 +125,7 @@ def run_policy(policy: str, weight_b: float, args: argparse.Namespace, tmp: Path
 
 
 def p99_ms(values: list[float]) -> float:
-    return float(np.percentile(values, 99)) * 1000 if values else math.nan
+    return percentile(values, 99) * 1000  # NaN for none
 
 
 def verdict(ok: bool) -> str:

@@ -14,6 +14,7 @@ import statistics
 import time
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from protocol.stats import percentile_of_sorted
 
 
 def measure(running: int, waiting: int, steps: int) -> list[float]:
@@ -58,7 +59,7 @@ def main() -> None:
     for running in (256, 1024):
         runs = [sorted(measure(running, 1024, args.steps)) for _ in range(args.repeats)]
         times = min(runs, key=statistics.median)
-        median, p99 = statistics.median(times), times[int(0.99 * (len(times) - 1))]
+        median, p99 = statistics.median(times), percentile_of_sorted(times, 99)
         results[running] = median
         medians = ", ".join(f"{statistics.median(t) * 1e3:.3f}" for t in runs)
         print(f"running={running:5d} waiting=1024  median {median * 1e3:.3f} ms  "
