@@ -244,6 +244,13 @@ class Response:
             parts.append(data)
         return b"".join(parts)
 
+    @property
+    def ended(self) -> bool:
+        """The backend has sent all it will: the whole body is here (read or not), or the
+        connection ended or failed (what arrived before is still read first)."""
+        conn = self._conn
+        return conn.complete or conn.lost or conn.error is not None
+
     def watch_stalls(self, seconds: float) -> None:
         """From now on, UpstreamTimeout only when the backend sends nothing for `seconds`
         (instead of the request's `timeout` running on)."""

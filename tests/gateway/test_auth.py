@@ -12,6 +12,7 @@ from gateway.auth import Authenticator
 from protocol.errors import ApiError
 from tenants import Principal, TenantStore
 from tenants.keys import generate_key
+from tests.support.waiting import next_loop_turn, wait_for
 
 
 def bearer_request(key: str) -> Any:
@@ -53,7 +54,8 @@ async def test_requests_after_expiry_share_one_lookup(store: TenantStore, monkey
 
     monkeypatch.setattr(store, "authenticate_key", slow)
     waiters = [asyncio.create_task(auth.tenant(bearer_request(key))) for _ in range(8)]
-    await asyncio.sleep(0.01)
+    await next_loop_turn()  # every waiter has asked (none suspends before the lookup)
+    await wait_for(lambda: lookups == 1)  # and the one lookup is under way
     gate.set()
     principals = await asyncio.gather(*waiters)
     assert lookups == 1 and {p.tenant.name for p in principals} == {"acme"}

@@ -3,7 +3,6 @@ tenant saturates the backend; a tenant alone still uses every seat (work conserv
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import pytest
@@ -12,6 +11,7 @@ from gateway.backends import BackendPool
 from gateway.dispatch import Dispatcher
 from gateway.fairqueue import FairQueue, QueueBounds, QueuedRequest
 from gateway.metrics import GatewayMetrics
+from tests.support.waiting import next_loop_turn
 
 
 @dataclass
@@ -156,5 +156,5 @@ def test_a_backend_keeps_at_least_one_shared_seat() -> None:
 async def test_no_future_is_left_pending_for_dispatched_items() -> None:
     rig = Rig()
     items = rig.submit("a", 12)
-    await asyncio.sleep(0)
+    await next_loop_turn()
     assert sum(it.payload.done() for it in items) == rig.dispatched("a") == 10

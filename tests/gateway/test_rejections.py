@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tests.gateway.helpers import ControlledBackend, completion, start_gateway
+from tests.support.waiting import wait_for
 
 
 def body(**extra: Any) -> dict[str, Any]:
@@ -120,7 +121,7 @@ async def test_429_queue_full_requests_and_tokens(aiohttp_client: Any, db_url: s
     h, backend = await controlled(aiohttp_client, db_url,
                                   {"max_queued_requests": 2, "max_queued_tokens": 100})
     running = [asyncio.create_task(h.post("acme", body())) for _ in range(3)]
-    await _until(lambda: h.gateway.queue.depth("acme")[0] == 2)
+    await wait_for(lambda: h.gateway.queue.depth("acme")[0] == 2)
     resp = await h.post("acme", body())
     await error_of(resp, 429, "queue_requests")
     assert int(resp.headers["Retry-After"]) >= 1
@@ -128,7 +129,7 @@ async def test_429_queue_full_requests_and_tokens(aiohttp_client: Any, db_url: s
     assert [r.status for r in await asyncio.gather(*running)] == [200, 200, 200]
     backend.gate.clear()
     first = asyncio.create_task(h.post("acme", body(max_tokens=4)))
-    await _until(lambda: backend.inflight == 1)
+    await wait_for(lambda: backend.inflight == 1)
     resp = await h.post("acme", body(prompt="x" * 40, max_tokens=70))
     await error_of(resp, 429, "queue_tokens")
     assert int(resp.headers["Retry-After"]) >= 1
@@ -139,7 +140,7 @@ async def test_429_queue_full_requests_and_tokens(aiohttp_client: Any, db_url: s
 async def test_queue_timeout_is_an_error_saying_so(aiohttp_client: Any, db_url: str) -> None:
     h, backend = await controlled(aiohttp_client, db_url, {"queue_timeout_s": 0.2})
     blocker = asyncio.create_task(h.post("acme", body()))
-    await _until(lambda: backend.inflight == 1)
+    await wait_for(lambda: backend.inflight == 1)
     resp = await h.post("acme", body())
     err = await error_of(resp, 503, "queue_timeout")
     assert "queue" in err["message"] and "Retry-After" in resp.headers
@@ -152,12 +153,12 @@ async def test_disconnect_while_queued_removes_and_charges_nothing(
         aiohttp_client: Any, db_url: str) -> None:
     h, backend = await controlled(aiohttp_client, db_url, {"tokens_per_min": 1000})
     blocker = asyncio.create_task(h.post("acme", body()))
-    await _until(lambda: backend.inflight == 1)
+    await wait_for(lambda: backend.inflight == 1)
     waiting = asyncio.create_task(h.post("acme", body(max_tokens=100)))
-    await _until(lambda: h.gateway.queue.depth("acme")[0] == 1)
+    await wait_for(lambda: h.gateway.queue.depth("acme")[0] == 1)
     assert h.gateway.limiter.usage("acme") == (2, 2 * 6 + 104)
     waiting.cancel()  # the client hangs up
-    await _until(lambda: h.gateway.queue.depth("acme")[0] == 0)
+    await wait_for(lambda: h.gateway.queue.depth("acme")[0] == 0)
     assert h.gateway.limiter.usage("acme") == (1, 10)  # only the blocker, nothing for it
     backend.release()
     assert (await blocker).status == 200
@@ -173,7 +174,7 @@ async def test_disconnect_while_streaming_aborts_the_backend(
     assert resp.status == 200
     await resp.content.readline()
     resp.close()  # hang up mid-stream
-    await _until(lambda: backend.closed == ["acme"] and backend.inflight == 0)
+    await wait_for(lambda: backend.closed == ["acme"] and backend.inflight == 0)
 
 
 async def test_embedded_engine_request_aborted_on_disconnect(
@@ -187,7 +188,7 @@ async def test_embedded_engine_request_aborted_on_disconnect(
     engine = h.gateway.pool.primary.engine
     assert engine.load()["running"] == 1
     resp.close()
-    await _until(lambda: engine.load()["running"] == 0, timeout=5)
+    await wait_for(lambda: engine.load()["running"] == 0, timeout=5)
 
 
 async def test_backend_failure_is_503_with_retry_after(aiohttp_client: Any, db_url: str) -> None:
@@ -197,12 +198,6 @@ async def test_backend_failure_is_503_with_retry_after(aiohttp_client: Any, db_u
     await error_of(resp, 503, "backend_unavailable")
     assert "Retry-After" in resp.headers
     assert (await h.client.get("/readyz")).status == 503
-
-
-async def _until(condition: Any, timeout: float = 3.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
 
 
 async def test_slow_client_body_times_out(aiohttp_client: Any, db_url: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from aiohttp import web
 
 from gateway.upstream import UpstreamError, UpstreamPool
 from tests.support.processes import free_port
+from tests.support.waiting import next_loop_turn, wait_for
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -115,9 +117,7 @@ class RawServer:
 
     async def eof_seen(self, count: int = 1) -> None:
         """Wait until the client has closed `count` connections."""
-        async with asyncio.timeout(1):
-            while self.eofs < count:
-                await asyncio.sleep(0.005)
+        await wait_for(lambda: self.eofs >= count, timeout=1)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -251,14 +251,14 @@ def test_non_http_base_urls_are_rejected() -> None:
 
 @on_both_loops
 async def test_chunked_body_streams_each_chunk_as_it_arrives() -> None:
-    first_read = asyncio.Event()
+    first_read, second_read = asyncio.Event(), asyncio.Event()
 
     async def stream(peer: Peer) -> None:
         await peer.request()
         await peer.send(CHUNKED + chunk(b"first"))
         await first_read.wait()
         await peer.send(chunk(b"second"))
-        await asyncio.sleep(0.01)
+        await second_read.wait()
         await peer.send(LAST_CHUNK)
 
     async with RawServer(stream) as server:
@@ -266,7 +266,8 @@ async def test_chunked_body_streams_each_chunk_as_it_arrives() -> None:
         assert resp.headers["transfer-encoding"] == "chunked"
         assert await resp.next_chunk() == b"first"  # the server is waiting for this
         first_read.set()
-        assert await resp.next_chunk() == b"second"
+        assert await resp.next_chunk() == b"second"  # and the end is not sent yet
+        second_read.set()
         assert await resp.next_chunk() == b""
         assert await resp.next_chunk() == b""
         resp.close()
@@ -363,7 +364,8 @@ async def test_connection_idle_past_idle_timeout_is_replaced() -> None:
         assert await get(pool) == b"x"
         assert await get(pool) == b"x"  # at once: reused
         assert server.connections == 1
-        await asyncio.sleep(0.15)
+        released = time.monotonic()  # the pool stamped the connection idle before this
+        await wait_for(lambda: time.monotonic() - released > pool.idle_timeout)
         assert await get(pool) == b"x"
         assert server.connections == 2
         await server.eof_seen()  # the pool closed the stale one
@@ -475,7 +477,7 @@ async def test_connection_closed_mid_body_fails_read() -> None:
         assert "closed" in await upstream_error(resp.read())
         resp.close()
         resp = await pool.request("GET", "/")
-        await asyncio.sleep(0.02)  # the close has been seen: what arrived comes first all the same
+        await wait_for(lambda: resp.ended, timeout=1)  # the close seen: what arrived comes first
         assert await resp.next_chunk() == b"abcd"
         assert "closed" in await upstream_error(resp.next_chunk())
         resp.close()
@@ -509,7 +511,7 @@ async def test_cancelled_next_chunk_then_close_closes_the_connection() -> None:
         resp = await pool.request("POST", "/v1/completions", b"{}")
         assert await resp.next_chunk() == b"first"
         waiting = asyncio.create_task(resp.next_chunk())
-        await asyncio.sleep(0.01)
+        await next_loop_turn()  # it is waiting for more of the body
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -583,7 +585,7 @@ async def test_unread_large_body_does_not_stall_the_reused_connection() -> None:
     async with RawServer(answer_every(ok(BIG[:300_000]))) as server:
         pool = server.pool()
         resp = await pool.request("GET", "/")
-        await asyncio.sleep(0.1)  # the whole body arrives, unread
+        await wait_for(lambda: resp.ended, timeout=1)  # the whole body arrives, unread
         resp.close()
         assert pool.idle == 1  # it was complete, so it was kept
         async with asyncio.timeout(0.5):

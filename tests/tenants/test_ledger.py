@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -72,11 +71,7 @@ async def test_full_buffer_wakes_the_flusher(store: TenantStore) -> None:
     ledger = UsageLedger(store, flush_interval=60, max_pending=5)
     await ledger.start()
     ledger.record_many(event() for _ in range(5))  # reaching max_pending flushes now, not in 60 s
-    for _ in range(100):
-        await asyncio.sleep(0.02)
-        if ledger.flushed == 5:
-            break
-    assert ledger.flushed == 5
+    await wait_for(lambda: ledger.flushed == 5, timeout=10)
     await ledger.close()
 
 

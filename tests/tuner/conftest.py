@@ -3,32 +3,29 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import drain, spawn_module, stop, wait_for_output
+
 StartServer = Callable[..., str]
 
 
 @pytest.fixture
 def fake_server_process() -> Iterator[StartServer]:
     """start(*args) -> base URL of `python -m tuner.fake_server --port 0 *args`."""
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[subprocess.Popen[bytes]] = []
 
     def start(*args: str) -> str:
-        cmd = [sys.executable, "-m", "tuner.fake_server", "--port", "0", *args]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        proc = spawn_module("tuner.fake_server", "--port", "0", *args)
         procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert "listening on" in line, f"fake server did not start: {line!r}"
-        return line.rsplit(" ", 1)[-1].strip()
+        line = wait_for_output(proc, b"listening on")
+        drain(proc)
+        return line.decode().rsplit(" ", 1)[-1].strip()
 
     yield start
     for proc in procs:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop(proc, signal.SIGTERM, 10)

@@ -4,10 +4,7 @@ parallel workers, a killed worker's trial re-run, and PostgreSQL storage."""
 from __future__ import annotations
 
 import csv
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +19,7 @@ from engine.config import EngineConfig
 from engine.sim import SimExecutor
 from fairgate.cli import main
 from tests.support import postgres
-from tests.support.processes import ROOT, wait_for_output
+from tests.support.processes import spawn_fairgate, wait_for_output
 from tuner.holdout import HeldOut, select
 from tuner.outcome import TrialRow, pareto_front
 from tuner.space import build_config
@@ -220,14 +217,11 @@ def test_a_killed_worker_is_restarted_and_the_study_completes_without_loss_or_re
         tmp_path: Path) -> None:
     storage = f"sqlite:///{tmp_path / 'studies.db'}"
     workload = ["--workload", "uniform", "--rate", "10", "--duration", "200"]  # 2,000 requests
-    command = [sys.executable, "-m", "fairgate", "tune", "--mode", "sim", *workload, *SLOS,
-               "--study", "k", "--storage", storage, "--out", str(tmp_path / "out"),
-               "--trials", "5", "--robustness", "0", "--heartbeat", "1"]
-    worker = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert worker.stderr is not None
-    worker.stdout = worker.stderr  # wait_for_output reads the progress lines
-    wait_for_output(worker, b"(#2) running", timeout=120)
+    tune = ["tune", "--mode", "sim", *workload, *SLOS, "--study", "k", "--storage", storage,
+            "--out", str(tmp_path / "out"), "--trials", "5", "--robustness", "0",
+            "--heartbeat", "1"]
+    worker = spawn_fairgate(*tune)
+    wait_for_output(worker, b"(#2) running", timeout=120)  # a progress line
     worker.send_signal(signal.SIGKILL)  # mid-trial: #2 is RUNNING in the storage
     worker.wait()
     study = optuna.load_study(study_name="k", storage=storage)
@@ -236,10 +230,10 @@ def test_a_killed_worker_is_restarted_and_the_study_completes_without_loss_or_re
     assert [t.number for t in study.get_trials(states=(TrialState.COMPLETE,))] == [0, 1]
     # restarted at once: it waits for the killed trial's heartbeats to stop (two beats), which
     # fails it and queues it again with the same knobs, then runs it and what is left
-    restarted = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                               capture_output=True, timeout=300, text=True)
-    assert restarted.returncode == 0, restarted.stderr
-    assert "trial(s) #2 running" in restarted.stderr
+    restarted = spawn_fairgate(*tune)
+    printed = restarted.communicate(timeout=300)[0].decode()  # its progress lines (stderr) too
+    assert restarted.returncode == 0, printed
+    assert "trial(s) #2 running" in printed
     trials = study.get_trials()
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     assert len(complete) == 5 and not [t for t in trials if t.state in (
