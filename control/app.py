@@ -20,6 +20,7 @@ from control.capture import TraceCapture
 from control.jobs import JobManager
 from control.openapi import PARTS
 from control.shadow import ShadowSet
+from control.shadow_metrics import ShadowMetrics
 from control.state import CAPTURE, JOBS, SERVED, SHADOWS
 from engine.config import EngineConfig
 from gateway import app as serving
@@ -45,7 +46,7 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
 def attach(app: web.Application, database: str) -> None:
     """The control plane onto a serving app that `gateway.app.make_app` built (not started)."""
     settings, gw = app[SETTINGS], app[GATEWAY]
-    shadows = ShadowSet(settings.shadow, app[METRICS])
+    shadows = ShadowSet(settings.shadow, ShadowMetrics(app[METRICS].registry))
     capture = None if settings.capture is None else TraceCapture(settings.capture)
     jobs = JobManager(JobStore(app[STORE].db), settings.jobs.storage or database,
                       Path(settings.jobs.dir), settings.jobs.max_running, settings.admin_key,

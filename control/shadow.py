@@ -38,11 +38,11 @@ from typing import Any
 
 import numpy as np
 
+from control.shadow_metrics import ShadowMetrics
 from control.shadow_worker import FrameReader, FrameSender
 from gateway.backends import Job, engine_body
 from gateway.config import ShadowConfig
 from gateway.events import RequestAdmitted, RequestFinished, RequestObserver
-from gateway.metrics import GatewayMetrics
 from protocol.measures import SLO, RequestTiming, summarize
 from protocol.stats import bootstrap_interval, percentile_of_sorted, row_percentiles
 
@@ -74,7 +74,7 @@ class ShadowMirror:
     """One shadow target, as the gateway keeps it: the sample, the copies not yet answered, the
     pairs and the counts. The sending is the worker process's."""
 
-    def __init__(self, config: ShadowConfig, metrics: GatewayMetrics, send: Send,
+    def __init__(self, config: ShadowConfig, metrics: ShadowMetrics, send: Send,
                  draw: Callable[[], float] = random.random) -> None:
         self.config = config
         self.metrics = metrics
@@ -120,7 +120,7 @@ class ShadowMirror:
 
     def _drop(self, reason: str, n: int = 1) -> None:
         self.dropped += n
-        self.metrics.child("shadow_dropped", self.name, reason).inc(n)
+        self.metrics.dropped.labels(self.name, reason).inc(n)
 
     def _maybe_complete(self, request_id: str, pair: Pair) -> None:
         if pair.live is None or pair.shadow is None:
@@ -137,10 +137,10 @@ class ShadowMirror:
             return
         self.outstanding -= 1
         self.sent += 1
-        self.metrics.child("shadow_sent", self.name).inc()
+        self.metrics.sent.labels(self.name).inc()
         if not ok:
             self.failed += 1
-            self.metrics.child("shadow_failed", self.name).inc()
+            self.metrics.failed.labels(self.name).inc()
         pair.shadow = RequestTiming(started, stamps, tokens, end, ok=ok)
         pair.shadow_wait_s, pair.sent_at = wait_s, sent_at
         self._maybe_complete(request_id, pair)
@@ -321,7 +321,7 @@ class ShadowSet(RequestObserver):
     are started, changed and stopped at run time. Subscribed to the gateway's requests: each
     admitted one may be copied, each finished one is the live side of its pairs."""
 
-    def __init__(self, configs: Sequence[ShadowConfig], metrics: GatewayMetrics) -> None:
+    def __init__(self, configs: Sequence[ShadowConfig], metrics: ShadowMetrics) -> None:
         self.metrics = metrics
         self.mirrors: dict[str, ShadowMirror] = {
             c.name: ShadowMirror(c, metrics, self._send) for c in configs}
@@ -424,8 +424,8 @@ class ShadowSet(RequestObserver):
             elif kind == "state":
                 mirror.queued, mirror.inflight = message[2], message[3]
             elif kind == "hist":
-                self.metrics.shadow_latency.add(0, mirror.name, message[2], message[3])
-                self.metrics.shadow_latency.add(1, mirror.name, message[4], message[5])
+                self.metrics.latency.add(0, mirror.name, message[2], message[3])
+                self.metrics.latency.add(1, mirror.name, message[4], message[5])
 
     def _ended(self, worker: subprocess.Popen[bytes]) -> None:
         if worker is not self.worker or not self.running:

@@ -12,7 +12,7 @@ import importlib.util
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 
-PACKAGES = ("fairgate", "protocol", "engine", "gateway", "tuner", "tenants", "kernels")
+PACKAGES = ("fairgate", "protocol", "engine", "gateway", "tuner", "control", "tenants", "kernels")
 MARKER = "fairgate-package:"
 ROOT = Path(__file__).resolve().parents[1]  # the folder that holds fairgate's packages
 

@@ -85,6 +85,7 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     admin.add_routes(app)
+    app[openapi.OPENAPI_PARTS] = openapi.NO_PARTS  # control.app adds the control plane's
     app.router.add_get("/metrics", metrics_on_main_port)
     app.router.add_get("/health", healthz)  # the path vLLM and SGLang serve
     app.router.add_get("/healthz", healthz)

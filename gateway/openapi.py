@@ -277,14 +277,15 @@ class ApiParts:
 
 
 OPENAPI_PARTS = web.AppKey("openapi_parts", ApiParts)
+NO_PARTS = ApiParts((), {})  # the serving app's own: gateway.app.make_app sets it
 
 
 @functools.cache
-def document(parts: ApiParts | None = None) -> Schema:
+def document(parts: ApiParts = NO_PARTS) -> Schema:
     """The whole document, the serving path's routes and `parts`' (built once: it depends on
     no setting)."""
     paths: dict[str, Schema] = {}
-    for route in ROUTES + (parts.routes if parts else ()):
+    for route in ROUTES + parts.routes:
         paths.setdefault(route.path, {})[route.method] = _operation(route)
     return {"openapi": protocol_schemas.OPENAPI_VERSION,
             "info": {"title": "fairgate gateway", "version": _version(),
@@ -292,7 +293,7 @@ def document(parts: ApiParts | None = None) -> Schema:
                                     "fairly between tenants."},
             "paths": paths,
             "components": {"schemas": {**protocol_schemas.schemas(), **GATEWAY_SCHEMAS,
-                                       **(parts.schemas if parts else {})},
+                                       **parts.schemas},
                            "securitySchemes": SECURITY_SCHEMES}}
 
 
@@ -304,4 +305,4 @@ def _version() -> str:
 
 
 async def openapi_json(request: web.Request) -> web.Response:
-    return web.json_response(document(request.app.get(OPENAPI_PARTS)))
+    return web.json_response(document(request.app[OPENAPI_PARTS]))

@@ -72,9 +72,12 @@ def exposed_names(registry: CollectorRegistry) -> set[str]:
 
 
 def gateway_names() -> set[str]:
+    from control.shadow_metrics import ShadowMetrics
     from gateway.metrics import GatewayMetrics
 
-    return exposed_names(GatewayMetrics().registry)
+    metrics = GatewayMetrics()
+    ShadowMetrics(metrics.registry)  # the control plane's, on the gateway's registry
+    return exposed_names(metrics.registry)
 
 
 def engine_names() -> set[str]:

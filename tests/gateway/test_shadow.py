@@ -12,15 +12,16 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from control.shadow import Pair, ShadowMirror, paired_stats
+from control.shadow_metrics import ShadowMetrics
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.request import SamplingParams
 from engine.server import make_app as make_engine_app
 from gateway.backends import Job
 from gateway.config import GatewayConfig, ShadowConfig
-from gateway.metrics import GatewayMetrics
 from protocol.measures import SLO, RequestTiming
 from protocol.openai import parse_request
 from tests.gateway.helpers import collect, completion, start_gateway
@@ -191,7 +192,7 @@ def test_sampling_and_tenant_filters_choose_the_copies() -> None:
     draws = iter([0.1, 0.9, 0.4, 0.6])
     sent: list[tuple[Any, ...]] = []
     mirror = ShadowMirror(ShadowConfig("s", "http://127.0.0.1:9", sample=0.5,
-                                       tenants=("acme",)), GatewayMetrics(), sent.append,
+                                       tenants=("acme",)), ShadowMetrics(CollectorRegistry()), sent.append,
                           draw=lambda: next(draws))
     for i in range(4):
         mirror.offer(_job(f"r{i}", "acme"), SLO())

@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram
 
 import control.shadow
+from control.shadow_metrics import ShadowHistograms
 from control.shadow_worker import FrameReader, FrameSender, _Histogram
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.server import make_app as make_engine_app
-from gateway.metrics import ITL_BUCKETS, ShadowHistograms
+from gateway.metrics import ITL_BUCKETS
 from tests.gateway.helpers import collect, completion, start_gateway
 from tests.support.waiting import next_loop_turn, wait_for
 
