@@ -28,12 +28,17 @@ import asyncio
 import math
 import time
 
-from gateway.backends import Backend, BackendPool
+from gateway.backends import Backend, BackendErrored, BackendFailed, BackendPool, BackendUnreachable
 from gateway.config import RetryBudgetConfig
 from gateway.fairqueue import Admit, FairQueue, QueueBounds, QueuedRequest
 from gateway.metrics import GatewayMetrics
 
 HOLD_S = 0.05  # room held for a tenant waiting elsewhere this long is given to anyone here
+# fairgate_gateway_retries_total's and _retries_refused_total's labels, exported at zero from
+# the start (a panel of a counter that never moved shows 0, not nothing)
+RETRY_REASONS = tuple(failure.reason for failure in (BackendFailed, BackendUnreachable,
+                                                      BackendErrored))
+REFUSED_REASONS = ("budget", "no_replica")
 
 
 class RetryBudget:
@@ -65,6 +70,10 @@ class Dispatcher:
         self.load_factor = load_factor  # prefix routing's bound on a replica's load
         self.retries = RetryBudget(retry_budget or RetryBudgetConfig())
         self._held_since: float | None = None  # the cross-replica gate held all back since
+        for reason in RETRY_REASONS:
+            metrics.child("retries", reason)
+        for reason in REFUSED_REASONS:
+            metrics.child("retries_refused", reason)
 
     def submit(self, item: QueuedRequest, bounds: QueueBounds) -> asyncio.Future[Backend]:
         """Queue `item` (QueueFull when its tenant's queue is full); the future resolves to the
@@ -94,7 +103,7 @@ class Dispatcher:
         if future.done():  # its waiter is gone; nothing ran
             self.queue.finish(item, 0, 0)
             return
-        backend.inflight += 1
+        self._seat(backend, 1)
         backend.dispatched(item.cost)
         future.set_result(backend)
 
@@ -180,8 +189,8 @@ class Dispatcher:
             self.metrics.child("retries_refused", "no_replica").inc()
             return None
         self.retries.start(item)
-        failed.inflight -= 1
-        other.inflight += 1
+        self._seat(failed, -1)
+        self._seat(other, 1)
         other.dispatched(item.cost)
         self.metrics.child("failovers", failed.name).inc()
         self.metrics.child("retries", reason).inc()
@@ -196,10 +205,15 @@ class Dispatcher:
 
     def release(self, item: QueuedRequest, backend: Backend, input_tokens: int,
                 output_tokens: int) -> None:
-        backend.inflight -= 1
+        self._seat(backend, -1)
         self.retries.end(item)
         self.queue.finish(item, input_tokens, output_tokens)
         self.pump()
+
+    def _seat(self, backend: Backend, change: int) -> None:
+        """`backend.inflight` and its gauge, changed together."""
+        backend.inflight += change
+        self.metrics.child("inflight", backend.name).set(backend.inflight)
 
     def _gauge(self, item: QueuedRequest) -> None:
         depth = self.queue.depth_by_class(item.tenant)[item.priority]
