@@ -42,8 +42,25 @@ DEFAULT_STALL_TIMEOUT_S = 30.0
 ADMIN_KEY_ENV = "FAIRGATE_ADMIN_KEY"
 
 
+class _Endpoint:
+    """What a backend and a shadow target share: a server reached at `url` with its keys."""
+
+    url: str
+    api_key: str | None
+    admin_key: str | None
+
+    @property
+    def base_url(self) -> str:
+        return server_root(self.url)
+
+    @property
+    def effective_admin_key(self) -> str | None:
+        """The key its /admin/* gets: admin_key, else api_key."""
+        return self.admin_key if self.admin_key is not None else self.api_key
+
+
 @dataclass(frozen=True)
-class BackendConfig:
+class BackendConfig(_Endpoint):
     """A remote engine. `fairgate`: a `fairgate engine` server (has /load, takes tenant and
     priority); `openai`: any OpenAI-compatible server (vLLM, SGLang), held to `max_inflight`."""
 
@@ -85,15 +102,6 @@ class BackendConfig:
                 check_number(f"gateway.backends[].{name}", getattr(self, name), low=0,
                              open_low=True)
 
-    @property
-    def base_url(self) -> str:
-        return server_root(self.url)
-
-    @property
-    def effective_admin_key(self) -> str | None:
-        """The key its /admin/* gets: admin_key, else api_key."""
-        return self.admin_key if self.admin_key is not None else self.api_key
-
 
 _PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
 # a shadow target's URL and name, as the config check and the admin API's schema read them
@@ -104,7 +112,7 @@ MODEL_NAME_PATTERN = rf"^[^\x00-\x1f\x7f-\x9f]{{1,{MAX_MODEL_NAME}}}$"
 
 
 @dataclass(frozen=True)
-class ShadowConfig:
+class ShadowConfig(_Endpoint):
     """A shadow target (control/shadow.py): a candidate engine that receives a sample of the
     admitted live requests; its answers are measured and thrown away."""
 
@@ -150,15 +158,6 @@ class ShadowConfig:
             except ValueError as exc:
                 raise ValueError(f"gateway.shadow[{self.name}].tenants must be 'all' or a "
                                  f"list of tenant names: {exc}") from None
-
-    @property
-    def base_url(self) -> str:
-        return server_root(self.url)
-
-    @property
-    def effective_admin_key(self) -> str | None:
-        """The key its /admin/* gets: admin_key, else api_key."""
-        return self.admin_key if self.admin_key is not None else self.api_key
 
     @classmethod
     def from_dict(cls, value: Any) -> ShadowConfig:
