@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from fairgate.actions import chosen_action
 from gateway.config import ADMIN_KEY_ENV
 from tuner.remote import error_text, request_json
 
@@ -82,10 +83,8 @@ def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    action = getattr(args, "action", None)
+    action = chosen_action(args, "jobs", ACTIONS)
     if action is None:
-        print("fairgate jobs: error: choose an action: create, list, show, cancel, resume, "
-              "apply", file=sys.stderr)
         return 2
     try:
         return int(ACTIONS[action](args))

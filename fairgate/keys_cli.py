@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from fairgate.actions import chosen_action
 from fairgate.tenants_common import (
     add_database_options,
     check_name_args,
@@ -31,11 +32,10 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    action = getattr(args, "action", None)
-    if action is None:
-        print("fairgate keys: error: choose an action: create, list, revoke", file=sys.stderr)
-        return 2
     handlers = {"create": _create, "list": _list, "revoke": _revoke}
+    action = chosen_action(args, "keys", handlers)
+    if action is None:
+        return 2
     check_name_args(args, "tenant")
     return run_with_store(args, lambda store: handlers[action](store, args))
 

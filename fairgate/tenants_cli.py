@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fairgate.actions import chosen_action
 from fairgate.tenants_common import add_database_options, check_name_args, run_with_store, table
 from tenants.store import TenantStore, apply_changes
 from tenants.values import TenantError, TenantInfo, TenantLimits
@@ -38,6 +39,7 @@ _FIELD_OPTIONS: dict[str, tuple[str, str]] = {
     "--slo-itl-p99": ("slo_itl_p99_s", "float?"),  # every gap between tokens, pooled
 }
 _UNSET = ("none", "unlimited", "null")
+ACTIONS = ("create", "list", "update", "delete", "import", "export")
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -97,10 +99,8 @@ def field_changes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    action = getattr(args, "action", None)
+    action = chosen_action(args, "tenants", ACTIONS)
     if action is None:
-        print("fairgate tenants: error: choose an action: create, list, update, delete, import, "
-              "export", file=sys.stderr)
         return 2
     if action == "import":
         return _import(args)
