@@ -33,9 +33,7 @@ def postgres_unreachable() -> str | None:
 @pytest.fixture(scope="module")
 def database(postgres_unreachable: str | None) -> Iterator[str]:
     """A fresh database for this module (and this xdist worker), dropped at the end."""
-    if postgres_unreachable:
-        pytest.skip(postgres_unreachable)
-    with postgres.fresh_database("fg_faults") as name:
+    with postgres.fresh_database_or_skip("fg_faults", postgres_unreachable) as name:
         yield name
 
 

@@ -10,6 +10,8 @@ from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import pytest
+
 T = TypeVar("T")
 
 PG_SERVER = os.environ.get("FAIRGATE_TEST_PG", "postgres@127.0.0.1:5432")
@@ -55,3 +57,13 @@ def fresh_database(prefix: str) -> Iterator[str]:
         yield name
     finally:
         run(pg_exec(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@contextmanager
+def fresh_database_or_skip(prefix: str, unreachable: str | None) -> Iterator[str]:
+    """fresh_database(prefix); the test skipped instead, with `unreachable` as the reason, when
+    that is not None (what unreachable() said)."""
+    if unreachable is not None:
+        pytest.skip(unreachable)
+    with fresh_database(prefix) as name:
+        yield name

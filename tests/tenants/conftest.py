@@ -26,9 +26,7 @@ def postgres_unreachable() -> str | None:
 @pytest.fixture(scope="session")
 def postgres_database(postgres_unreachable: str | None) -> Iterator[str]:
     """A database private to this pytest process (xdist worker), dropped at the end."""
-    if postgres_unreachable:
-        pytest.skip(postgres_unreachable)
-    with postgres.fresh_database("fg_test") as name:
+    with postgres.fresh_database_or_skip("fg_test", postgres_unreachable) as name:
         yield name
 
 

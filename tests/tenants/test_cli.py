@@ -3,30 +3,19 @@ real subprocess. CLI tests are sync: the commands run their own event loop."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
 
 import pytest
 
 from fairgate.cli import main
 from tenants import TenantStore
+from tests.support.postgres import run
 
-T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
 
 
 def authenticates(url: str, plaintext: str) -> bool:
@@ -37,7 +26,7 @@ def authenticates(url: str, plaintext: str) -> bool:
         finally:
             await store.close()
 
-    return run_async(check())
+    return run(check())
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
