@@ -14,20 +14,34 @@ Each start appends {"argv": [...], "knobs": {...}} to the file $STANDIN_LOG when
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[3]
 LOG_ENV = "STANDIN_LOG"
 
 
-def run(model: str, host: str, port: int, knobs: dict[str, Any], oom_line: str) -> NoReturn:
-    """`knobs`: fairgate knob -> value (None: the flag was not given)."""
+KnobFlags = dict[str, tuple[str, type]]  # the engine's flag -> (fairgate knob, its type)
+
+
+def add_flags(parser: argparse.ArgumentParser, host: str, port: int, knob_flags: KnobFlags
+              ) -> None:
+    """--host and --port with the engine's defaults, and the engine's flag for each knob."""
+    parser.add_argument("--host", default=host)
+    parser.add_argument("--port", type=int, default=port)
+    for flag, (knob, kind) in knob_flags.items():
+        parser.add_argument(flag, dest=knob, type=kind)
+
+
+def run(model: str, args: argparse.Namespace, knob_flags: KnobFlags, oom_line: str) -> NoReturn:
+    """Serve `model` (or fail as it says) on `args`' host and port with the knobs given."""
+    knobs = {knob: getattr(args, knob) for knob, _ in knob_flags.values()}
     given = {k: v for k, v in knobs.items() if v is not None}
     log = os.environ.get(LOG_ENV)
     if log:
@@ -46,7 +60,7 @@ def run(model: str, host: str, port: int, knobs: dict[str, Any], oom_line: str) 
         while True:
             signal.pause()
     sets = [arg for knob, value in given.items() for arg in ("--set", f"{knob}={value}")]
-    argv = [sys.executable, "-m", "fairgate", "engine", "--host", host, "--port", str(port),
+    argv = [sys.executable, "-m", "fairgate", "engine", "--host", args.host, "--port", str(args.port),
             "--set", "executor=sim", "--set", "sim_clock=realtime", "--set", "model=random:tiny",
             *sets]
     os.chdir(ROOT)
