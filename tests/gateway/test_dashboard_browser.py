@@ -9,17 +9,16 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import sqlite3
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.gateway.helpers import completion, create_tenants, free_port
-from tests.support.processes import ROOT
+from tests.gateway.helpers import completion, create_tenants
+from tests.support.processes import ROOT, drain, free_port, spawn_fairgate, stop
 from tests.support.waiting import poll_until
 
 CHROMIUM = "/usr/bin/chromium"
@@ -78,10 +77,8 @@ def test_the_dashboard_shows_each_tenant_against_its_slo(tmp_path: Path) -> None
         "engine": {"executor": "sim", "max_model_len": 512},
         "gateway": {"port": port, "admin_key": ADMIN_KEY, "demo_tenant": False,
                     "metrics_port": None}}))
-    server = subprocess.Popen([sys.executable, "-m", "fairgate", "serve", "-c", str(config),
-                               "--log-level", "WARNING"], cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = spawn_fairgate("serve", "-c", str(config), "--log-level", "WARNING")
+    drain(server)
     try:
         poll_until(lambda: _admin(url, "/admin/slo/tenants"), 60, "fairgate serve answers")
         for tenant, n in REQUESTS.items():
@@ -93,8 +90,7 @@ def test_the_dashboard_shows_each_tenant_against_its_slo(tmp_path: Path) -> None
             "the ledger recorded the traffic")
         figures = _browse(url, tmp_path)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop(server, signal.SIGTERM, 30)
     for tenant in TENANTS:
         checked, met, gaps, gaps_met = _ledger(db, tenant)
         assert checked == REQUESTS[tenant] and gaps >= REQUESTS[tenant]

@@ -21,7 +21,8 @@ from gateway.config import GatewayConfig
 from gateway.replicas.redis_limits import SharedRateLimiter, split_redis_url
 from gateway.state import GATEWAY
 from tenants import TenantLimits
-from tests.gateway.helpers import SIM_ENGINE, Harness, completion, free_port, start_gateway
+from tests.gateway.helpers import SIM_ENGINE, Harness, completion, start_gateway
+from tests.support.processes import free_port
 from tests.support.waiting import next_loop_turn, wait_for
 
 redis = pytest.importorskip("redis", reason="the redis package (redis-py) is not installed")

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -31,8 +30,8 @@ from control.jobs import (
 )
 from protocol.errors import ApiError
 from tenants.jobs import JobRecord
-from tests.gateway.helpers import free_port, leave_an_apply_mid_canary, start_gateway
-from tests.support.processes import ROOT
+from tests.gateway.helpers import leave_an_apply_mid_canary, start_gateway
+from tests.support.processes import drain, free_port, spawn_fairgate
 from tests.support.waiting import poll_until, wait_until
 from tuner.options import DEFAULT_TRIALS, TuneOptions
 
@@ -362,10 +361,9 @@ def _call(url: str, method: str = "GET", body: Any = None) -> tuple[int, Any]:
 
 
 def _serve(config: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "fairgate", "serve", "-c", str(config),
-                             "--log-level", "WARNING"], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    gateway = spawn_fairgate("serve", "-c", str(config), "--log-level", "WARNING")
+    drain(gateway)
+    return gateway
 
 
 _poll = poll_until  # a server process is asked until the condition holds

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import signal
 import sys
-import time
 
+from tests.support.waiting import poll_until
 from tuner.remote import LaunchedServer
 
 SERVER = ("import signal, subprocess, sys; "
@@ -19,10 +19,9 @@ SERVER = ("import signal, subprocess, sys; "
 
 
 def worker_pid(server: LaunchedServer) -> str:
-    deadline = time.monotonic() + 20
-    while not server.tail and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return server.tail[0] if server.tail else "?"
+    """The first line the server printed: its worker's pid."""
+    return str(poll_until(lambda: server.tail and server.tail[0], 20,
+                          "the server printed its worker's pid", every=0.01))
 
 
 def main(mode: str, stubborn: bool) -> None:
