@@ -24,11 +24,12 @@ from control.jobs import (
     profile_summary,
 )
 from control.state import CAPTURE, JOBS, SHADOWS
-from gateway.admin import RETRY_AFTER_S, database_calls, is_positive, query_float
+from gateway.admin import RETRY_AFTER_S, database_calls, is_positive
 from gateway.config import ShadowConfig
 from gateway.proxy import read_json
 from gateway.state import AUTH, GATEWAY, SETTINGS, STORE
 from protocol.errors import ApiError, bad_request
+from protocol.http import query_float
 from tenants.values import strictest_slos
 
 

@@ -25,11 +25,11 @@ from typing import Any
 from aiohttp import web
 
 from control.state import JOBS
-from gateway.admin import database_calls, path_tenant, query_float
-from gateway.auth import SESSION_COOKIE, SESSION_TTL_S, bearer
+from gateway.admin import database_calls, path_tenant
+from gateway.auth import SESSION_COOKIE, SESSION_TTL_S
 from gateway.state import AUTH, GATEWAY, METRICS, SETTINGS, STORE
 from protocol.errors import ApiError
-from protocol.http import read_form
+from protocol.http import bearer, query_float, read_form
 from tenants import TenantInfo
 from tenants.slo_views import hour_p99s, period_counts, tenant_series, tenant_slo
 

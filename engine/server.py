@@ -26,8 +26,8 @@ from engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, Re
 from engine.config import EngineAccess
 from engine.metrics import EngineMetrics, register_process_metrics
 from engine.openai_api import generation_request
-from protocol.errors import ApiError
-from protocol.http import SSE_HEADERS, error_middleware
+from protocol.errors import ApiError, bad_request
+from protocol.http import SSE_HEADERS, bearer, error_middleware, query_float
 from protocol.openai import (
     ResponseWriter,
     error_event,
@@ -109,7 +109,7 @@ def key_middleware(access: EngineAccess) -> Middleware:
                 raise ApiError(401, "an admin key is required for /admin/*",
                                code="invalid_admin_key")
         elif path.startswith(API_KEY_PATHS) and access.api_key is not None:
-            if _bearer(request) is None:
+            if bearer(request) is None:
                 raise ApiError(401, "You didn't provide an API key. You need to provide your "
                                "API key in an Authorization header using Bearer auth (i.e. "
                                "Authorization: Bearer YOUR_KEY).", code="missing_api_key")
@@ -120,15 +120,8 @@ def key_middleware(access: EngineAccess) -> Middleware:
     return middleware
 
 
-def _bearer(request: web.Request) -> str | None:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
-
-
 def _matches(request: web.Request, key: str) -> bool:
-    return hmac.compare_digest((_bearer(request) or "").encode(), key.encode())
+    return hmac.compare_digest((bearer(request) or "").encode(), key.encode())
 
 
 async def _engine_context(app: web.Application) -> AsyncIterator[None]:
@@ -272,23 +265,15 @@ async def load(request: web.Request) -> web.Response:
 
 
 def _query_seconds(request: web.Request, name: str, default: float | None) -> float | None:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise ApiError(400, f"'{name}' must be a non-negative number of seconds", param=name)
-    return value
+    message = f"'{name}' must be a non-negative number of seconds"
+    return query_float(request, name, default, message, lambda s: 0 <= s < math.inf, message)
 
 
 async def stats(request: web.Request) -> web.Response:
     window = _query_seconds(request, "window", 60.0)
     assert window is not None
     if window == 0:
-        raise ApiError(400, "'window' must be > 0 seconds", param="window")
+        raise bad_request("'window' must be > 0 seconds", "window")
     engine = request.app[ENGINE_KEY]
     slos = {name: _query_seconds(request, name, None)
             for name in ("slo_ttft", "slo_tpot", "slo_itl")}  # TTFT, TPOT per request; ITL per gap

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -23,6 +23,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.proxy import read_json
 from gateway.state import AUTH, GATEWAY, STORE
 from protocol.errors import ApiError, bad_request
+from protocol.http import query_float
 from tenants import (
     DuplicateTenantError,
     KeyNotFoundError,
@@ -50,23 +51,6 @@ async def database_calls() -> AsyncIterator[None]:
         raise ApiError(503, f"the tenant database is unavailable ({type(exc).__name__}); try "
                        "again shortly", code="database_unavailable",
                        retry_after=RETRY_AFTER_S) from None
-
-
-def query_float(request: web.Request, name: str, default: float | None, not_number: str,
-                within: Callable[[float], bool] = lambda _: True,
-                outside: str = "") -> float | None:
-    """The query parameter `name` as a number (`default` when absent); a 400 naming it with
-    `not_number` when it is not one, with `outside` when `within(value)` fails."""
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise bad_request(not_number, name) from None
-    if not within(value):
-        raise bad_request(outside, name)
-    return value
 
 
 def is_positive(value: float) -> bool:

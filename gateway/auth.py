@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from protocol.errors import ApiError
+from protocol.http import bearer
 from tenants import Principal, TenantStore
 from tenants.keys import looks_like_key
 
@@ -45,14 +46,6 @@ LOOKUP_TIMEOUT_S = 5.0  # a database that does not answer is a 503, not a hung r
 PING_TTL_S = 1.0  # /readyz asks the database at most this often
 PING_TIMEOUT_S = 1.0  # and waits at most this long for the answer
 DEFAULT_OUTAGE_GRACE_S = 600.0
-
-
-def bearer(request: web.Request) -> str | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
 
 
 @dataclass

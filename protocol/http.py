@@ -1,6 +1,6 @@
 """The aiohttp side of the protocol, shared by the engine server and the gateway: the error
 middleware (every error in OpenAI's shape, never an HTML page or a traceback), reading a form
-body, and the headers of an SSE response.
+body, a bearer token and a number in the query string, and the headers of an SSE response.
 
 Whatever a client sends as a body is its own mistake when it cannot be read: a body that is
 not in its Content-Encoding or whose chunks are malformed (aiohttp raises these while it is
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -98,3 +99,29 @@ def _code(exc: web.HTTPException) -> str:
     if exc.status == 413:
         return "request_too_large"
     return exc.reason.lower().replace(" ", "_")
+
+
+def bearer(request: web.Request) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header (the scheme in any case); None
+    without one."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def query_float(request: web.Request, name: str, default: float | None, not_number: str,
+                within: Callable[[float], bool] = lambda _: True,
+                outside: str = "") -> float | None:
+    """The query parameter `name` as a number (`default` when absent); a 400 naming it with
+    `not_number` when it is not one, with `outside` when `within(value)` fails."""
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise bad_request(not_number, name) from None
+    if not within(value):
+        raise bad_request(outside, name)
+    return value
