@@ -28,20 +28,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 
-from bench.gateway_overhead import (  # noqa: E402
+from bench.common import (  # noqa: E402
     PYTHON,
+    ROOT,
+    add_load_options,
     free_port,
-    latency_row,
+    machine,
     measure,
-    poisson,
+    open_loop,
     start_engine,
     start_gateway,
-    stats,
     stop,
 )
+from bench.gateway_overhead import latency_row, stats  # noqa: E402
 from tuner.report import RequestResult  # noqa: E402
 
 BUDGET, NO_BUDGET = "gateway (failed-lookup budget)", "gateway (budget off)"
@@ -101,7 +102,7 @@ def start_flood(url: str, rate: float, duration: float) -> subprocess.Popen[str]
 
 async def run(args: argparse.Namespace, gateways: dict[str, tuple[str, str]],
               sink: str) -> int:
-    load = poisson(args.rate, args.duration, args.prompt_tokens, args.output_tokens)
+    load = open_loop(args)
     for url, key in gateways.values():
         await measure(url, key, load[:100], "random:tiny")  # warm connections and caches
     pooled: dict[tuple[str, str], list[RequestResult]] = collections.defaultdict(list)
@@ -151,12 +152,8 @@ async def _pg(server: str, sql: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rate", type=float, default=100.0)
+    add_load_options(parser, rate=100.0, duration=8.0, rounds=2, burst=False)
     parser.add_argument("--flood-rate", type=float, default=500.0)
-    parser.add_argument("--duration", type=float, default=8.0)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--output-tokens", type=int, default=8)
     parser.add_argument("--postgres", metavar="SERVER_URL", default=None,
                         help="keep tenants in a new database on this PostgreSQL server "
                         "(dropped at the end) instead of SQLite files")
@@ -188,7 +185,7 @@ def main() -> int:
                 procs.append(proc)
                 gateways[label] = (url, keys["acme"])
             print(f"engine :{engine_port} (sim, instant tokens); gateways "
-                  f"{', '.join(u for u, _ in gateways.values())}; {os.cpu_count()} CPUs")
+                  f"{', '.join(u for u, _ in gateways.values())}; {machine()}")
             return asyncio.run(run(args, gateways, f"http://127.0.0.1:{sink_port}"))
     finally:
         for proc in procs:

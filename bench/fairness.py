@@ -43,10 +43,9 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 
-from bench.gateway_overhead import poisson, start_gateway, stop  # noqa: E402
+from bench.common import poisson, start_gateway, stop  # noqa: E402
 from protocol.stats import percentile  # noqa: E402
 from tuner.loadgen import RunOptions, Target, run_workload  # noqa: E402
 from tuner.report import Report  # noqa: E402

@@ -16,127 +16,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 
-from tuner.loadgen import RunOptions, Target, run_workload  # noqa: E402
-from tuner.report import Report, RequestResult, latency_stats  # noqa: E402
-from tuner.traces import TraceRequest  # noqa: E402
-
-PYTHON = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not become ready")
-
-
-def start_engine(port: int, knobs: dict[str, Any]) -> subprocess.Popen[Any]:
-    sets = [a for k, v in knobs.items() for a in ("--set", f"{k}={v}")]
-    proc = subprocess.Popen([PYTHON, "-m", "fairgate", "engine", "--port", str(port),
-                             "--log-level", "warning", *sets], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_healthy(f"http://127.0.0.1:{port}", proc)
-    return proc
-
-
-def start_gateway(config: dict[str, Any], workdir: Path,
-                  tenants: dict[str, dict[str, Any]] | None = None, database: str | None = None
-                  ) -> tuple[subprocess.Popen[Any], str, dict[str, str]]:
-    """`fairgate serve` with `config` (a fairgate.yaml mapping); returns (process, url, keys).
-    Tenants are created in its database (default: a new SQLite file in `workdir`) first;
-    without any, the demo tenant's key is used."""
-    port = free_port()
-    db = database or f"sqlite:///{workdir / f'gateway-{port}.db'}"
-    keys = asyncio.run(_create_tenants(db, tenants)) if tenants else {}
-    config = {**config, "database": db}
-    config["gateway"] = {**config.get("gateway", {}), "port": port, "demo_tenant": not tenants,
-                         "metrics_port": 0}
-    path = workdir / f"fairgate-{port}.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
-    proc = subprocess.Popen([PYTHON, "-m", "fairgate", "serve", "-c", str(path),
-                             "--log-level", "WARNING"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    if not tenants:
-        while not (line := proc.stdout.readline()).strip().startswith("fg-"):
-            if not line:
-                raise RuntimeError("fairgate serve exited before printing the demo key")
-        keys["demo"] = line.strip()
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc)
-    return proc, url, keys
-
-
-async def _create_tenants(db: str, tenants: dict[str, dict[str, Any]]) -> dict[str, str]:
-    from tenants import TenantLimits, TenantStore
-
-    store = TenantStore(db)
-    await store.init()
-    keys = {}
-    for name, spec in tenants.items():
-        spec = dict(spec)
-        await store.create_tenant(name, limits=TenantLimits(**spec.pop("limits", {})), **spec)
-        keys[name] = (await store.create_key(name))[1]
-    await store.close()
-    return keys
-
-
-def stop(proc: subprocess.Popen[Any]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def poisson(rate: float, duration: float, prompt: int, output: int, seed: int = 0,
-            **fields: Any) -> list[TraceRequest]:
-    import random
-
-    rng, t, out = random.Random(seed), 0.0, []
-    while True:
-        t += rng.expovariate(rate)
-        if t >= duration:
-            return out
-        out.append(TraceRequest(arrival=t, prompt_tokens=prompt, output_tokens=output, **fields))
-
+from bench.common import (  # noqa: E402
+    PYTHON,
+    ROOT,
+    add_load_options,
+    closed_loop,
+    free_port,
+    machine,
+    measure,
+    open_loop,
+    rotated,
+    start_engine,
+    start_gateway,
+    stop,
+)
+from tuner.report import RequestResult, latency_stats  # noqa: E402
 
 MODEL = {"engine": "random:tiny", "fake": "fake-model"}
-
-
-async def measure(url: str, key: str | None, requests: list[TraceRequest], model: str,
-                  **options: Any) -> Report:
-    return await run_workload(requests, Target(url, api_key=key, model=model),
-                              options=RunOptions(**options))
 
 
 def ms(x: float | None) -> str:
@@ -157,16 +64,9 @@ def latency_row(label: str, results: list[RequestResult]) -> str:
             f"e2e p50 {ms(e2e['median_ms'])} p99 {ms(e2e['p99_ms'])} ms")
 
 
-def rotated(labels: list[str], round_: int) -> list[str]:
-    """Each round starts with a different target, so drift of the machine between the first and
-    the last measurement of a round does not always land on the same one."""
-    k = round_ % len(labels)
-    return labels[k:] + labels[:k]
-
-
 async def run(args: argparse.Namespace, urls: dict[str, str], key: str) -> int:
     model = MODEL[args.backend]
-    load = poisson(args.rate, args.duration, args.prompt_tokens, args.output_tokens)
+    load = open_loop(args)
     for label, url in urls.items():  # warm every path (connections, caches)
         await measure(url, key if label == GATEWAY else None, load[:200], model)
     print(f"\n== latency at {args.rate:g} requests/s, {args.rounds} rounds x {len(load)} streamed "
@@ -184,8 +84,7 @@ async def run(args: argparse.Namespace, urls: dict[str, str], key: str) -> int:
         print(f"added e2e latency, {label}: p50 {e2e['median_ms'] - direct['median_ms']:+.2f} ms"
               f"   p99 {e2e['p99_ms'] - direct['p99_ms']:+.2f} ms")
     print("goals: gateway added p50 <= 1 ms, p99 <= 5 ms")
-    burst = [TraceRequest(arrival=0.0, prompt_tokens=args.prompt_tokens,
-                          output_tokens=args.output_tokens) for _ in range(args.requests)]
+    burst = closed_loop(args)
     # The fake server answers every request as one SSE body; the engine can answer plain JSON.
     streaming = args.backend == "fake"
     print(f"\n== throughput: {args.requests} {'streamed' if streaming else 'non-streaming'} "
@@ -212,15 +111,9 @@ DIRECT, GATEWAY, BARE = "engine directly", "through the gateway", "bare aiohttp 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rate", type=float, default=200.0)
-    parser.add_argument("--duration", type=float, default=10.0)
-    parser.add_argument("--requests", type=int, default=6000)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="each target measured this many times, interleaved; latencies "
-                        "pooled, throughput the median (this machine drifts between runs)")
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--output-tokens", type=int, default=8)
+    add_load_options(parser, rate=200.0, duration=10.0, rounds=3,
+                     rounds_help="each target measured this many times, interleaved; latencies "
+                     "pooled, throughput the median (this machine drifts between runs)")
     parser.add_argument("--backend", choices=("engine", "fake"), default="engine",
                         help="engine: `fairgate engine` on the sim executor (the goal's setup); "
                         "fake: tuner.fake_server, nearly free, isolating the gateway's own cost")
@@ -246,7 +139,7 @@ def main() -> int:
         gw, gw_url, keys = start_gateway({"gateway": {"backends": [backend]}}, Path(tmp))
         try:
             print(f"backend {engine_url} ({args.backend}, instant tokens); gateway {gw_url}; "
-                  f"{os.cpu_count()} CPUs")
+                  f"{machine()}")
             urls = {DIRECT: engine_url, GATEWAY: gw_url, BARE: f"http://127.0.0.1:{bare_port}"}
             return asyncio.run(run(args, urls, keys["demo"]))
         finally:

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 
+from bench.common import ROOT, machine  # noqa: E402
 from tuner.loadgen import RunOptions, Target, run_workload  # noqa: E402
 from tuner.traces import TraceRequest  # noqa: E402
 
@@ -86,7 +85,7 @@ def main() -> int:
         f"loadgen vs fake server ({args.requests} requests, concurrency "
         f"{args.concurrency}, {args.output_tokens} tokens each, server ITL {args.itl:g} s, "
         "separate processes, "
-        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"
+        f"{machine()})"
     )
     _row("requests/s", fig.req_s, TARGET_REQ_S)
     _row("streamed tokens/s", fig.tok_s, TARGET_TOK_S)

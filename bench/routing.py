@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -60,17 +59,19 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 
-from bench.gateway_overhead import (  # noqa: E402
+from bench.common import (  # noqa: E402
+    ROOT,
     free_port,
-    ms,
+    machine,
     rotated,
     start_engine,
     start_gateway,
     stop,
+    verdict,
 )
+from bench.gateway_overhead import ms  # noqa: E402
 from tuner.loadgen import RunOptions, Target, run_workload  # noqa: E402
 from tuner.report import Report  # noqa: E402
 from tuner.traces import TraceRequest  # noqa: E402
@@ -239,10 +240,6 @@ def ratios(least: Segment, prefix: Segment) -> Ratios:
                   b.output_throughput / a.output_throughput)
 
 
-def verdict(met: bool) -> str:
-    return "PASS" if met else "FAIL"
-
-
 def ceiling(requests: list[TraceRequest], block_size: int = 16) -> float:
     """The hit rate of one unbounded cache that keeps every prefix from its first use (tokens,
     whole KV blocks): the most any routing can reach. A prefix block is its chain of ids."""
@@ -369,8 +366,7 @@ def main() -> int:
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     goals: list[str] = []
     try:
-        print(f"{REPLICAS} replicas: {ENGINE}; {os.cpu_count()} CPUs, load average "
-              f"{os.getloadavg()[0]:.1f}")
+        print(f"{REPLICAS} replicas: {ENGINE}; {machine()}")
         print(code_version())
         print(probe(urls[0]))
         with tempfile.TemporaryDirectory() as tmp:
@@ -386,7 +382,7 @@ def main() -> int:
     finally:
         for engine in engines:
             stop(engine)
-    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+    print(f"\nat the end: {machine()}")
     print("\n".join(["goals:", *goals]))
     return 0
 

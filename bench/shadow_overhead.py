@@ -33,20 +33,22 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 
-from bench.gateway_overhead import (  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_load_options,
+    closed_loop,
     free_port,
+    machine,
     measure,
-    ms,
-    poisson,
+    open_loop,
     rotated,
     start_engine,
     start_gateway,
-    stats,
     stop,
+    verdict,
 )
+from bench.gateway_overhead import ms, stats  # noqa: E402
 from bench.loadgen import start_server  # noqa: E402
 from tuner.report import RequestResult  # noqa: E402
 from tuner.traces import TraceRequest  # noqa: E402
@@ -151,10 +153,6 @@ def added(on: list[RequestResult], off: list[RequestResult], measure: str) -> tu
     return a["median_ms"] - b["median_ms"], a["p99_ms"] - b["p99_ms"]
 
 
-def verdict(met: bool) -> str:
-    return "PASS" if met else "FAIL"
-
-
 def shadow_line(segments: list[Segment]) -> str:
     totals = {k: sum(s.shadow[k] for s in segments) for k in COUNTERS}
     live = sum(len(s.results) for s in segments)
@@ -183,7 +181,7 @@ def cpu_line(segments: dict[str, list[Segment]]) -> str:
 
 
 async def latency(rig: Rig, args: argparse.Namespace) -> dict[str, float]:
-    load = poisson(args.rate, args.duration, args.prompt_tokens, args.output_tokens)
+    load = open_loop(args)
     print(f"\n== streamed latency at {args.rate:g} requests/s (open loop), {args.rounds} rounds "
           f"x {len(load)} requests per configuration, {args.prompt_tokens} -> "
           f"{args.output_tokens} tokens ==")
@@ -213,8 +211,7 @@ async def latency(rig: Rig, args: argparse.Namespace) -> dict[str, float]:
 
 
 async def throughput(rig: Rig, args: argparse.Namespace) -> float:
-    burst = [TraceRequest(arrival=0.0, prompt_tokens=args.prompt_tokens,
-                          output_tokens=args.output_tokens) for _ in range(args.requests)]
+    burst = closed_loop(args)
     print(f"\n== non-streaming throughput (closed loop): {args.requests} requests, "
           f"{args.concurrency} concurrent, median of {args.rounds} rounds ==")
     segments: dict[str, list[Segment]] = {OFF: [], ON: []}
@@ -258,15 +255,9 @@ def shadow_config(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rate", type=float, default=200.0)
-    parser.add_argument("--duration", type=float, default=10.0)
-    parser.add_argument("--requests", type=int, default=6000)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=4,
-                        help="each configuration measured this many times, alternating; "
-                        "latencies pooled, throughput the median round")
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--output-tokens", type=int, default=8)
+    add_load_options(parser, rate=200.0, duration=10.0, rounds=4,
+                     rounds_help="each configuration measured this many times, alternating; "
+                     "latencies pooled, throughput the median round")
     # The config defaults (16, 256) drop no copy at 200 requests/s; at saturation on a busy
     # machine they drop some, which would flatter the throughput ratio: one sender per client.
     parser.add_argument("--shadow-max-inflight", type=int, default=64)
@@ -293,7 +284,7 @@ def main() -> int:
         try:
             print(f"gateway {gw_url}; engine (sim, instant tokens) :{engine_port}; shadow "
                   f"{fake_url} (fake, instant; max_inflight {args.shadow_max_inflight}, "
-                  f"max_queue {args.shadow_max_queue}); {os.cpu_count()} CPUs")
+                  f"max_queue {args.shadow_max_queue}); {machine()}")
             rig = Rig(gw_url, keys["demo"], admin_key, shadow_config(fake_url, args),
                       {"gateway": gw.pid, "engine": engine.pid, "shadow": fake.pid})
             return asyncio.run(run(rig, args))

@@ -15,15 +15,14 @@ for throughput and the p50s, 20% for the p99s. Exit status 1 when a goal is miss
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 
+from bench.common import machine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.sim_profile import load_profile, save_profile  # noqa: E402
 from fairgate.engine_cli import parse_overrides  # noqa: E402
@@ -72,8 +71,8 @@ def main() -> int:
     requests = workload(args)
     print(f"engine: {config.model}, max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
           f"{config.max_num_batched_tokens}; {len(requests)} requests at {args.rate:g}/s, prompts "
-          f"{args.prompt_tokens}, outputs {args.output_tokens}; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, torch threads {_threads()}")
+          f"{args.prompt_tokens}, outputs {args.output_tokens}; {machine()}, torch threads "
+          f"{_threads()}")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.profile or args.save_profile or str(Path(tmp) / "profile.yaml")
         if args.profile is None:
