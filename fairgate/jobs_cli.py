@@ -24,6 +24,7 @@ from typing import Any
 
 from fairgate.actions import chosen_action
 from gateway.config import ADMIN_KEY_ENV
+from tuner.outcome import knob_text
 from tuner.remote import error_text, request_json
 
 GATEWAY_ENV = "FAIRGATE_GATEWAY"
@@ -113,7 +114,7 @@ def _best(job: dict[str, Any]) -> str:
     best = job.get("best")
     if not best:
         return "-"
-    knobs = ", ".join(f"{k}={v}" for k, v in sorted(best["params"].items()))
+    knobs = ", ".join(f"{k}={knob_text(v)}" for k, v in sorted(best["params"].items()))
     return f"#{best['number']} {best['value']:.4g} ({knobs})"
 
 

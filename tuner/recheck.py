@@ -35,7 +35,7 @@ from urllib.parse import quote
 
 from tuner.evaluate import Evaluator
 from tuner.measures import TrialMeasures, seconds_text
-from tuner.outcome import StudyOutcome, TrialRow, distinct
+from tuner.outcome import StudyOutcome, TrialRow, distinct, knob_text
 from tuner.progress import Progress
 from tuner.remote import error_text, request_bytes, request_json
 from tuner.runners import SimRunner, TrialRunner
@@ -322,7 +322,7 @@ def header(knobs: Sequence[str]) -> list[str]:
 def cells(recheck: Recheck, knobs: Sequence[str]) -> list[list[str]]:
     out = []
     for row in recheck.rows:
-        line = [row.role, f"#{row.number}", *(_knob(row.params.get(k, "")) for k in knobs)]
+        line = [row.role, f"#{row.number}", *(knob_text(row.params.get(k, "")) for k in knobs)]
         for source in SOURCES:
             got = row.figures.get(source)
             line += ([seconds_text(got.p99_ttft_s), seconds_text(got.p99_itl_s), f"{got.slo_attainment:.1%}"]
@@ -389,6 +389,3 @@ def csv_rows(recheck: Recheck, knobs: Sequence[str]) -> list[list[str]]:
 def _number(value: float) -> str:
     return "inf" if math.isinf(value) else f"{value:.6g}"
 
-
-def _knob(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -32,6 +32,7 @@ from tuner.outcome import (
     StudyOutcome,
     TrialRow,
     best_row,
+    knob_text,
     pareto_front,
     uncertain_text,
     value_text,
@@ -385,7 +386,7 @@ def _table_cells(spec: TuneSpec, rows: Sequence[TrialRow],
     for i, row in enumerate(rows):
         m = row.measures or {}
         label = [names[i]] if names else []
-        out.append([*label, f"#{row.number}", *(_knob(row.params.get(k, "")) for k in knobs),
+        out.append([*label, f"#{row.number}", *(knob_text(row.params.get(k, "")) for k in knobs),
                     f"{row.value or 0:.4g}", *(_cell((row.capacity or {}).get(n)) for n in extra),
                     _with_ci(m, "p99_ttft"), _with_ci(m, "p99_tpot"), _with_ci(m, "p99_itl"),
                     _result(row)])
@@ -406,10 +407,6 @@ def _table_header(spec: TuneSpec, names: Sequence[str] = ()) -> list[str]:
             *(f"rate {name}" for name in extra), "p99 TTFT (95% CI)", "p99 TPOT (95% CI)",
             "p99 ITL (95% CI)",
             "result"]
-
-
-def _knob(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _markdown(table: Sequence[Sequence[str]]) -> list[str]:
