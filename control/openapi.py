@@ -46,6 +46,14 @@ _SHADOW_CHANGE: dict[str, Schema] = {
     "max_queue": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
     "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400}}
 
+# why copies of a shadow target failed: one row per (status, code)
+_FAILURE: Schema = object_schema(
+    status={**nullable({"type": "integer"}), "description": "The target's HTTP status; null: "
+            "no answer (connect_failed, timeout, connection_broken)"},
+    code={**STRING, "description": "The target's error code (or type), else ours: "
+          "connect_failed, timeout, connection_broken, stream_error, stream_incomplete"},
+    count=COUNT, message=STRING, last_at={"type": "number", "description": "Epoch seconds"})
+
 SCHEMAS: dict[str, Schema] = {
     "ShadowCreate": {"type": "object", "required": ["name", "url"],
                      "additionalProperties": False,
@@ -61,7 +69,12 @@ SCHEMAS: dict[str, Schema] = {
     "ShadowChange": {"type": "object", "additionalProperties": False,
                      "properties": _SHADOW_CHANGE},
     "Shadow": object_schema(name=STRING, url=STRING, kind=STRING, sample={"type": "number"},
-                      queued=COUNT, sent=COUNT, dropped=COUNT, failed=COUNT, pairs=COUNT),
+                      queued=COUNT, sent=COUNT, dropped=COUNT, failed=COUNT, pairs=COUNT,
+                      model={**nullable(STRING), "description": "The model copies go under: "
+                             "the configured one, else the one the target serves (its "
+                             "/v1/models), null until it said"},
+                      failures={"type": "array", "description": "Failed copies by reason, "
+                                "most first", "items": _FAILURE}),
     "ShadowList": object_schema(shadows={"type": "array", "items": {"$ref": "#/components/schemas/Shadow"}}),
     "ShadowStats": {"type": "object", "description": "The pairs completed in the window: "
                     "live and shadow percentiles (ttft, tpot and e2e per request; itl over "

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from control.shadow_metrics import ShadowMetrics
-from control.shadow_worker import FrameReader, FrameSender
+from control.shadow_worker import CopyFailure, FrameReader, FrameSender
 from gateway.backends import Job, engine_body
 from gateway.config import ShadowConfig
 from gateway.events import RequestAdmitted, RequestFinished, RequestObserver
@@ -52,6 +52,9 @@ MAX_PENDING = 20_000  # copies whose live or shadow side has not ended yet
 BOOTSTRAP_RESAMPLES = 500
 STATS_QUANTILES = (50, 90, 99)
 RESTART_S = 1.0  # after the sender process died, before the next one starts
+# why a copy was not sent (fairgate_gateway_shadow_dropped_total's reason): the target's queue
+# was full; the sender process died (or was restarting) with it
+DROP_REASONS = ("queue_full", "sender_died")
 
 
 @dataclass
@@ -68,6 +71,26 @@ class Pair:
 
 
 Send = Callable[[tuple[Any, ...]], None]
+ALIASES = (None, "default")  # a live request's model meaning "whatever is served"
+
+
+@dataclass
+class Failures:
+    """The copies of one target that failed for one reason (status and error code): how many,
+    and the last one's message and time."""
+
+    count: int = 0
+    last: CopyFailure | None = None
+    last_at: float = 0.0  # epoch seconds
+
+    def add(self, failure: CopyFailure) -> None:
+        self.count += 1
+        self.last, self.last_at = failure, time.time()
+
+    def describe(self) -> dict[str, Any]:
+        assert self.last is not None
+        return {"status": self.last.status, "code": self.last.code, "count": self.count,
+                "message": self.last.message, "last_at": round(self.last_at, 3)}
 
 
 class ShadowMirror:
@@ -85,9 +108,13 @@ class ShadowMirror:
         self.sent = self.dropped = self.failed = 0
         self.outstanding = 0  # copies handed to the worker and not answered yet
         self.queued = self.inflight = 0  # as the worker last said
-        self.model: str | None = config.model
+        self.model: str | None = config.model  # what copies go under, once the worker knows
+        self.failures: dict[tuple[int | None, str], Failures] = {}  # by (status, code)
         self._limit = config.max_queue + config.max_inflight
         self._tenants = None if config.tenants == ("all",) else frozenset(config.tenants)
+        for reason in DROP_REASONS:  # its series exist from the start, at zero
+            metrics.dropped.labels(self.name, reason)
+        metrics.failed.labels(self.name)
 
     @property
     def name(self) -> str:
@@ -109,6 +136,8 @@ class ShadowMirror:
         # as JSON by the worker)
         body = engine_body(job, self.config.model or job.req.model or "", stream=True,
                            fairgate=self.config.kind == "fairgate")
+        if self.config.model is None and job.req.body.get("model") in ALIASES:
+            del body["model"]  # the worker sends it under the model the target serves
         self.send(("copy", self.name, job.request_id, body, job.req.endpoint, job.tenant,
                    job.priority, time.perf_counter()))
 
@@ -131,7 +160,9 @@ class ShadowMirror:
 
     # ---- what the worker reports --------------------------------------------------------------
     def done(self, request_id: str, wait_s: float, sent_at: float, started: float,
-             stamps: list[float], tokens: int, end: float, ok: bool) -> None:
+             stamps: list[float], tokens: int, end: float, ok: bool,
+             failure: tuple[int | None, str, str] | None = None) -> None:
+        """A copy ended (the worker's "done"); `failure`: why not ok, a CopyFailure's fields."""
         pair = self.pending.get(request_id)
         if pair is None or pair.shadow is not None:
             return
@@ -141,6 +172,8 @@ class ShadowMirror:
         if not ok:
             self.failed += 1
             self.metrics.failed.labels(self.name).inc()
+            why = CopyFailure(*failure) if failure else CopyFailure(None, "unknown")
+            self.failures.setdefault(why.reason, Failures()).add(why)
         pair.shadow = RequestTiming(started, stamps, tokens, end, ok=ok)
         pair.shadow_wait_s, pair.sent_at = wait_s, sent_at
         self._maybe_complete(request_id, pair)
@@ -161,7 +194,9 @@ class ShadowMirror:
                 "sample": c.sample, "tenants": list(c.tenants), "max_inflight": c.max_inflight,
                 "max_queue": c.max_queue, "queued": self.queued, "inflight": self.inflight,
                 "outstanding": self.outstanding, "sent": self.sent,
-                "dropped": self.dropped, "failed": self.failed, "pairs": len(self.pairs)}
+                "dropped": self.dropped, "failed": self.failed, "pairs": len(self.pairs),
+                "failures": [f.describe() for f in sorted(self.failures.values(),
+                                                          key=lambda f: -f.count)]}
 
     def window(self, window_s: float, sent_after: float | None = None) -> list[Pair]:
         """The pairs completed in the last `window_s` seconds, and whose copy was sent after
@@ -369,6 +404,7 @@ class ShadowSet(RequestObserver):
             # end with the old target's senders and are not paired)
             mirror.pairs = old.pairs
             mirror.sent, mirror.dropped, mirror.failed = old.sent, old.dropped, old.failed
+            mirror.failures, mirror.model = old.failures, old.model
         self.mirrors[config.name] = mirror
         if self.running:
             if self.worker is None:
@@ -423,6 +459,8 @@ class ShadowSet(RequestObserver):
                 mirror.done(*message[2:])
             elif kind == "state":
                 mirror.queued, mirror.inflight = message[2], message[3]
+            elif kind == "model" and mirror.config.model is None:
+                mirror.model = message[2]
             elif kind == "hist":
                 self.metrics.latency.add(0, mirror.name, message[2], message[3])
                 self.metrics.latency.add(1, mirror.name, message[4], message[5])

@@ -12,12 +12,22 @@ Gateway -> worker, in order:
                             the copies in flight are dropped, not reported)
     ("remove", name)
     ("copy", name, request_id, body, endpoint, tenant, priority, queued_at)
+                            body without "model": the live request asked for the default
+                            alias (or no model), so it goes under the model the target serves
 
 Worker -> gateway, in batches: FLUSH_S after a copy ended, STATE_S after only a count changed
 (each batch wakes the gateway's loop: few and full is what it costs least):
-    ("done", name, request_id, wait_s, sent_at, started, stamps, tokens, end, ok)
+    ("done", name, request_id, wait_s, sent_at, started, stamps, tokens, end, ok, failure)
+                            failure: (status, code, message) of a CopyFailure when not ok,
+                            else None (a tuple: this module is __main__ here, not there)
     ("state", name, queued, inflight)
     ("hist", name, ttft_counts, ttft_sum, itl_counts, itl_sum)   (deltas since the last batch)
+    ("model", name, served)   the model the target serves (its /v1/models), once learnt
+
+The default alias: a target without a configured `model` is asked its /v1/models before the
+first copy that needs it (and again after it answered model_not_found: it may have been
+restarted with another model), so a copy of a request for "default" reaches it under the name
+it serves, as the live request reached the live engine under the live engine's.
 
 Times are `time.perf_counter()`, CLOCK_MONOTONIC on Linux: one clock for both processes, so a
 copy's queue wait spans the hand-off. The worker exits when its stdin closes: the gateway
@@ -38,17 +48,57 @@ import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any
 
 from gateway.config import ShadowConfig
 from gateway.metrics import ITL_BUCKETS, LATENCY_BUCKETS
-from gateway.upstream import UpstreamError, UpstreamPool
+from gateway.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamTimeout
 from protocol.sse import SSEReader, read_chunk
 
 log = logging.getLogger("fairgate.shadow")
 FLUSH_S = 0.025  # a copy's result waits at most this long to go back
 STATE_S = 0.25  # queued / inflight counts, when nothing else goes back
 _HEADER = struct.Struct(">I")
+MAX_ERROR_BODY = 4096  # bytes of a refused copy's answer read for its error
+MAX_FAILURE_MESSAGE = 300  # characters of the target's message kept with a failure
+
+
+@dataclass(frozen=True, slots=True)
+class CopyFailure:
+    """Why a copy did not end well: the target's HTTP status (None: no answer, or it broke
+    off mid-stream after a 200 is still 200) and error code (the target's `error.code`, else
+    its `error.type`, else one of ours: connect_failed, timeout, connection_broken,
+    stream_error, stream_incomplete), with the target's message."""
+
+    status: int | None
+    code: str
+    message: str = ""
+
+    @property
+    def reason(self) -> tuple[int | None, str]:
+        """What failures are counted by."""
+        return self.status, self.code
+
+    def fields(self) -> tuple[int | None, str, str]:
+        return self.status, self.code, self.message
+
+
+def error_failure(status: int, data: bytes | dict[str, Any]) -> CopyFailure:
+    """A failure from an OpenAI error body (`{"error": {"message", "type", "code"}}`), raw or
+    parsed; a body that is not one still gives the status, with code "http_<status>"."""
+    body: Any = data
+    if isinstance(data, bytes):
+        try:
+            body = json.loads(data)
+        except ValueError:
+            body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        text = data.decode(errors="replace") if isinstance(data, bytes) else ""
+        return CopyFailure(status, f"http_{status}", text[:MAX_FAILURE_MESSAGE])
+    code = error.get("code") or error.get("type") or f"http_{status}"
+    return CopyFailure(status, str(code), str(error.get("message") or "")[:MAX_FAILURE_MESSAGE])
 
 
 # ---- framing: both processes, on their event loops -----------------------------------------
@@ -159,6 +209,8 @@ class _Target:
         self.itl = _Histogram(ITL_BUCKETS)
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._http = UpstreamPool(config.base_url, headers)
+        self.served: str | None = None  # the model it serves, once asked (the default alias)
+        self._asking: asyncio.Task[str | None] | None = None
         self._wake = asyncio.Event()
         self._tasks = [asyncio.create_task(self._sender()) for _ in range(config.max_inflight)]
 
@@ -194,45 +246,91 @@ class _Target:
         sent_at = time.time()
         stamps: list[float] = []
         tokens: int | None = None
-        ok = False
+        failure: CopyFailure | None = None
         self.inflight += 1
         self.report(self, None)
         try:
-            path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-            resp = await self._http.request("POST", path, self._body(body, tenant, priority),
-                                            timeout=self.config.timeout_s)
-            try:
-                if resp.status < 400:
-                    tokens, ok = await self._read(resp, stamps)
-            finally:
-                resp.close()
-        except (UpstreamError, OSError) as exc:
-            log.debug("shadow %s: %s", self.name, exc)
+            tokens, failure = await self._exchange(body, endpoint, tenant, priority, stamps)
         finally:
             self.inflight -= 1
         end = time.perf_counter()
-        if ok and stamps:
+        if failure is None and stamps:
             self.ttft.observe(stamps[0] - started)
             for a, b in zip(stamps, stamps[1:], strict=False):
                 self.itl.observe(b - a)
+        if failure is not None and failure.code == "model_not_found":
+            self.served = None  # ask again: it may serve another model now
         self.report(self, ("done", self.name, request_id, started - queued_at, sent_at, started,
-                           stamps, len(stamps) if tokens is None else tokens, end, ok))
+                           stamps, len(stamps) if tokens is None else tokens, end,
+                           failure is None, None if failure is None else failure.fields()))
 
-    def _body(self, body: dict[str, Any], tenant: str, priority: str) -> bytes:
+    async def _exchange(self, body: dict[str, Any], endpoint: str, tenant: str, priority: str,
+                        stamps: list[float]) -> tuple[int | None, CopyFailure | None]:
+        """Send one copy and read its answer: (usage tokens, why it failed or None)."""
+        try:
+            model = body.get("model") or self.config.model or await self._served_model()
+            path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+            resp = await self._http.request("POST", path,
+                                            self._body(body, model, tenant, priority),
+                                            timeout=self.config.timeout_s)
+            try:
+                if resp.status >= 400:
+                    return None, error_failure(resp.status, await _head(resp))
+                return await self._read(resp, stamps)
+            finally:
+                resp.close()
+        except UpstreamConnectError as exc:
+            return None, CopyFailure(None, "connect_failed", str(exc)[:MAX_FAILURE_MESSAGE])
+        except UpstreamTimeout as exc:
+            return None, CopyFailure(None, "timeout", str(exc)[:MAX_FAILURE_MESSAGE])
+        except (UpstreamError, OSError) as exc:
+            log.debug("shadow %s: %s", self.name, exc)
+            return None, CopyFailure(None, "connection_broken", str(exc)[:MAX_FAILURE_MESSAGE])
+
+    async def _served_model(self) -> str | None:
+        """The model the target serves (its /v1/models' first), asked once for all the
+        senders; None when it does not say (the copy then goes without a model)."""
+        if self.served is None:
+            if self._asking is None or self._asking.done():
+                self._asking = asyncio.create_task(self._ask_model())
+            self.served = await asyncio.shield(self._asking)
+            if self.served is not None:
+                self.report(self, ("model", self.name, self.served))
+        return self.served
+
+    async def _ask_model(self) -> str | None:
+        try:
+            resp = await self._http.request("GET", "/v1/models", timeout=self.config.timeout_s)
+            try:
+                answer = json.loads(await resp.read()) if resp.status < 400 else {}
+            finally:
+                resp.close()
+        except (UpstreamError, OSError, ValueError) as exc:
+            log.warning("shadow %s: could not ask its /v1/models: %s", self.name, exc)
+            return None
+        models = answer.get("data") if isinstance(answer, dict) else None
+        if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+            return None
+        return str(models[0]["id"])
+
+    def _body(self, body: dict[str, Any], model: str | None, tenant: str,
+              priority: str) -> bytes:
         copy = dict(body)
         copy.update(stream=True, stream_options={"include_usage": True})
         if self.config.model is not None:
             copy["model"] = self.config.model
+        elif model is not None:
+            copy["model"] = model
         if self.config.kind == "fairgate":
             copy.update(tenant=tenant, priority=priority)
         else:
             copy.pop("priority", None)
         return json.dumps(copy, separators=(",", ":")).encode()
 
-    async def _read(self, resp: Any, stamps: list[float]) -> tuple[int | None, bool]:
+    async def _read(self, resp: Any, stamps: list[float]) -> tuple[int | None, CopyFailure | None]:
         """Read the stream to its end, stamping each token event (protocol.sse.read_chunk
         decides which are: the gateway and the load generator count the same ones); (usage
-        tokens, ended well)."""
+        tokens, why it did not end well or None)."""
         reader = SSEReader()
         tokens: int | None = None
         done = False
@@ -245,14 +343,28 @@ class _Target:
                 except ValueError:  # not JSON: nothing to time
                     continue
                 if chunk.error:
-                    return tokens, False
+                    assert chunk.body is not None
+                    failure = error_failure(resp.status, chunk.body)
+                    code = "stream_error" if failure.code.startswith("http_") else failure.code
+                    return tokens, CopyFailure(resp.status, code, failure.message)
                 done = done or chunk.done
                 usage = chunk.usage
                 if usage is not None and "completion_tokens" in usage:
                     tokens = int(usage["completion_tokens"])
                 if chunk.token:
                     stamps.append(now)
-        return tokens, done
+        if not done:
+            return tokens, CopyFailure(resp.status, "stream_incomplete",
+                                       "the stream ended before [DONE]")
+        return tokens, None
+
+
+async def _head(resp: Any) -> bytes:
+    """The start of a refused copy's answer (its error), read to MAX_ERROR_BODY bytes."""
+    data = b""
+    while len(data) < MAX_ERROR_BODY and (chunk := await resp.next_chunk()):
+        data += chunk
+    return data[:MAX_ERROR_BODY]
 
 
 class Worker:

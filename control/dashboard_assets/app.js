@@ -110,6 +110,12 @@ function renderEngines(data) {
   }).join("");
 }
 
+// one reason copies failed: the target's status (none: it did not answer) and error code
+function failure(f) {
+  return `<span class="failure" data-status="${esc(f.status ?? "")}" data-code="${esc(f.code)}" title="${esc(f.message)}">` +
+    `${esc(f.count)} x ${f.status === null ? "no answer" : esc(f.status)} ${esc(f.code)}</span>`;
+}
+
 async function renderShadows() {
   const data = await getJSON("/admin/shadow");
   const rows = await Promise.all(data.shadows.map(async (s) => {
@@ -121,9 +127,11 @@ async function renderShadows() {
       const mean = (side) => { const v = Object.values(st[side].slo_attainment); return v.length ? v.reduce((a, b) => a + b.fraction, 0) / v.length : null; };
       att = `${pct(mean("shadow"))} / ${pct(mean("live"))}`;
     } catch (e) { /* the stats may not be ready */ }
-    return `<tr><td>${esc(s.name)}</td><td>${esc(s.sample)}</td><td>${esc(s.sent)}</td><td>${esc(s.dropped)}</td><td>${esc(s.failed)}</td><td>${esc(s.pairs)}</td><td>${esc(diff)}</td><td>${esc(att)}</td></tr>`;
+    return `<tr data-shadow="${esc(s.name)}"><td>${esc(s.name)}</td><td>${esc(s.model ?? "-")}</td><td>${esc(s.sample)}</td><td>${esc(s.sent)}</td><td>${esc(s.dropped)}</td>` +
+      `<td${s.failed ? ' class="miss"' : ""}>${esc(s.failed)}</td><td>${esc(s.pairs)}</td><td>${esc(diff)}</td><td>${esc(att)}</td>` +
+      `<td class="problem">${s.failures.map(failure).join("; ")}</td></tr>`;
   }));
-  document.querySelector("#shadows tbody").innerHTML = rows.join("") || `<tr><td colspan="8" class="muted">no shadow targets</td></tr>`;
+  document.querySelector("#shadows tbody").innerHTML = rows.join("") || `<tr><td colspan="10" class="muted">no shadow targets</td></tr>`;
 }
 
 async function renderJobs() {
@@ -145,7 +153,7 @@ async function renderJobs() {
   box.innerHTML = `<div class="plot"><h3>${esc(job.id)}: optimisation history (objective by trial; best feasible so far in red)</h3><svg id="plot-history"></svg></div>` +
     `<div class="plot"><h3>p99 TTFT (s) against the objective, each trial</h3><svg id="plot-pareto"></svg></div>`;
   plot($("plot-history"), history, {second: bestSoFar});
-  const pareto = done.filter((t) => t.measures && t.measures.ttft_p99_s !== undefined && isFinite(t.measures.ttft_p99_s)).map((t) => [t.measures.ttft_p99_s, t.value]);
+  const pareto = done.filter((t) => t.measures && t.measures.p99_ttft_s !== undefined && isFinite(t.measures.p99_ttft_s)).map((t) => [t.measures.p99_ttft_s, t.value]);
   plot($("plot-pareto"), pareto.sort((a, b) => a[0] - b[0]));
 }
 
