@@ -260,11 +260,11 @@ def parse_request(body: dict[str, Any], endpoint: str) -> OpenAIRequest:
 
 def read_field(spec: Field, value: Any) -> Any:
     """The field's value as sent (its default when omitted or null); ApiError(400) naming it."""
-    value = _SHAPES.get(spec.kind, _scalar)(spec, value)
+    value = _SHAPES.get(spec.kind, _read_scalar)(spec, value)
     return spec.default if value is None else value
 
 
-def _scalar(spec: Field, value: Any) -> Any:
+def _read_scalar(spec: Field, value: Any) -> Any:
     if value is None:
         return None
     try:
@@ -380,7 +380,7 @@ def _max_tokens(spec: Field, value: Any) -> int | None:
             and spec.maximum is not None and number > spec.maximum):
         raise context_length_exceeded(f"'{spec.name}' is {number}, more tokens than any "
                                       f"model's context ({int(spec.maximum)})", spec.name)
-    return _scalar(spec, value)
+    return _read_scalar(spec, value)
 
 
 def _stream_options(spec: Field, options: Any) -> bool | None:

@@ -335,7 +335,9 @@ class DeadLetter:
     created_at: float
 
 
-def _json_safe(value: object) -> object:
+def _dead_letter_value(value: object) -> object:
+    """A refused row's value as JSON holds it, bounded, the bad data still readable: a string
+    cut short, a huge int or a non-finite float as text, anything else as its ASCII repr."""
     if isinstance(value, str):
         return value[:_DEAD_STRING_CHARS]
     if value is None or isinstance(value, bool):
@@ -353,7 +355,7 @@ def _json_safe(value: object) -> object:
 def dead_letter_json(row: Mapping[Any, Any]) -> str:
     """`row` as ASCII-only JSON: every string escaped (NUL, lone surrogates), so it always
     encodes, and bounded."""
-    return json.dumps({ascii(k) if not isinstance(k, str) else k: _json_safe(v)
+    return json.dumps({ascii(k) if not isinstance(k, str) else k: _dead_letter_value(v)
                        for k, v in row.items()}, ensure_ascii=True)
 
 

@@ -87,7 +87,7 @@ class Evaluator:
         if scored.capacity is not None:
             trial.set_user_attr("capacity", scored.capacity)
         if scored.live is not None:
-            trial.set_user_attr("live_measures", json_safe(dataclasses.asdict(scored.live)))
+            trial.set_user_attr("live_measures", nonfinite_as_none(dataclasses.asdict(scored.live)))
         record_measures(trial, scored.measures, self.spec.slo, scored.missed)
         if scored.missed is None and self.spec.objective != "capacity":
             # capacity sits at the SLO by construction; its interval carries the doubt
@@ -247,7 +247,7 @@ def _beat(trial: optuna.Trial) -> None:
 def record_measures(trial: optuna.Trial, measures: TrialMeasures, slo: SLO,
                     missed: str | None) -> None:
     trial.set_user_attr("ran", True)
-    trial.set_user_attr("measures", json_safe(dataclasses.asdict(measures)))
+    trial.set_user_attr("measures", nonfinite_as_none(dataclasses.asdict(measures)))
     _set_constraints(trial, measures.violations(slo), slo)
     trial.set_user_attr("infeasible", missed)
 
@@ -268,13 +268,14 @@ def _set_constraints(trial: optuna.Trial, violations: Sequence[float], slo: SLO)
                                         [float(v) for v in violations])
 
 
-def json_safe(value: Any) -> Any:
-    """inf and NaN as None: Optuna's storages keep user attributes as JSON."""
+def nonfinite_as_none(value: Any) -> Any:
+    """`value` with every inf and NaN in it as None: Optuna's storages keep user attributes as
+    JSON. (Not tenants.ledger's dead-letter values, which keep a bad number as text.)"""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
+        return {k: nonfinite_as_none(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
+        return [nonfinite_as_none(v) for v in value]
     return value
 
