@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))
 import optuna  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
-from fairgate.tune_cli import _BENCH_DEFAULTS  # noqa: E402
+from fairgate.tune_cli import BENCH_DEFAULTS  # noqa: E402
 from protocol.measures import SLO  # noqa: E402
 from protocol.stats import min_samples  # noqa: E402
 from tuner.baselines import default_params, vllm_grid  # noqa: E402
@@ -131,7 +131,7 @@ def scenario(slo: SLO, quick: bool, rate: float) -> Scenario:
         wanted = QUICK_WINDOW
     if total < wanted * (1 + HOLDOUT):  # the head trace: as many as fit
         wanted = total // (1 + HOLDOUT) - 1
-    args = argparse.Namespace(**{**_BENCH_DEFAULTS, "trace": str(trace), "trace_format": "auto",
+    args = argparse.Namespace(**{**BENCH_DEFAULTS, "trace": str(trace), "trace_format": "auto",
                                  "workload": None, "workload_file": None, "rate": rate,
                                  "duration": None, "start": 0.0, "window": None, "seed": 0})
     train, held = study_windows(args, HOLDOUT, wanted, plan_requests, strict=False)
@@ -354,7 +354,7 @@ def speed_trial(slo: SLO) -> tuple[int, str, float, float, str | None]:
     SPEED_REPEATS) and of the trial
     as `fairgate tune` runs it (with it), and why that trial stopped early, if it did."""
     trace = FULL_TRACE if FULL_TRACE.exists() else HEAD_TRACE
-    args = argparse.Namespace(**{**_BENCH_DEFAULTS, "trace": str(trace), "trace_format": "auto",
+    args = argparse.Namespace(**{**BENCH_DEFAULTS, "trace": str(trace), "trace_format": "auto",
                                  "workload": None, "workload_file": None, "rate": None,
                                  "duration": None, "num_requests": SPEED_REQUESTS, "seed": 0})
     requests: list[TraceRequest] = plan_requests(args)

@@ -205,7 +205,7 @@ async def show_tune_job(request: web.Request) -> web.Response:
     request.app[AUTH].check_admin(request)
     jobs = request.app[JOBS]
     async with database_calls():
-        job = await jobs._job(request.match_info["id"])
+        job = await jobs.get(request.match_info["id"])
     return web.json_response(await jobs.describe(job))
 
 
@@ -251,7 +251,7 @@ async def tune_job_file(request: web.Request) -> web.StreamResponse:
     if name not in JOB_FILES:
         raise ApiError(404, f"a job's files are {', '.join(JOB_FILES)}", code="file_not_found")
     async with database_calls():
-        job = await request.app[JOBS]._job(request.match_info["id"])
+        job = await request.app[JOBS].get(request.match_info["id"])
     path = Path(job.out_dir) / name
     if not await asyncio.to_thread(path.is_file):
         raise ApiError(404, f"job {job.id} has no {name} (yet)", code="file_not_found")

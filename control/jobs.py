@@ -714,10 +714,10 @@ class JobManager:
         return text
 
     async def cancel(self, job_id: str) -> JobRecord:
-        job = await self._job(job_id)
+        job = await self.get(job_id)
         if job.state == "queued" and await self.store.transition(
                 job_id, ["queued"], "cancelled", finished_at=time.time()):
-            return await self._job(job_id)
+            return await self.get(job_id)
         while job_id in self.launching:  # its worker is starting: cancel that
             await asyncio.sleep(0.01)
         run = self.running.get(job_id)
@@ -725,7 +725,7 @@ class JobManager:
             raise ApiError(409, f"job {job_id} runs on another gateway ({job.owner}): cancel it "
                            "there", code="job_elsewhere")
         if run is None or run.process.returncode is not None:
-            job = await self._job(job_id)
+            job = await self.get(job_id)
             raise ApiError(409, f"job {job_id} is {job.state}: only a queued or running job can "
                            "be cancelled", code="job_not_active")
         run.cancelled = True
@@ -738,10 +738,10 @@ class JobManager:
                 run.process.kill()
         while job_id in self.running:  # its waiter settles the row and the engine
             await asyncio.sleep(0.01)
-        return await self._job(job_id)
+        return await self.get(job_id)
 
     async def resume(self, job_id: str) -> JobRecord:
-        job = await self._job(job_id)
+        job = await self.get(job_id)
         if job.target is not None:
             busy = [j for j in await self.store.jobs(ACTIVE_STATES)
                     if j.target == job.target and j.id != job_id]
@@ -753,7 +753,7 @@ class JobManager:
             raise ApiError(409, f"job {job_id} is {job.state}: only an interrupted, failed or "
                            "cancelled job can be resumed", code="job_not_resumable")
         self._wake.set()
-        return await self._job(job_id)
+        return await self.get(job_id)
 
     # ---- apply: canary, promote or roll back (control/canary.py) ------------------------------
     async def apply(self, job_id: str, body: Any, gateway: Any) -> dict[str, Any]:
@@ -767,7 +767,7 @@ class JobManager:
                            gateway: Any) -> dict[str, Any]:
         from control.canary import Apply, ApplyPlan, canary_weight
 
-        job = await self._job(job_id)
+        job = await self.get(job_id)
         if job.state != "succeeded":
             raise ApiError(409, f"job {job_id} is {job.state}: only a succeeded job's best config "
                            "can be applied", code="job_not_succeeded")
@@ -831,7 +831,8 @@ class JobManager:
         self.applying.add_done_callback(lambda _: pool.results.remove(heard))
         return run.record
 
-    async def _job(self, job_id: str) -> JobRecord:
+    async def get(self, job_id: str) -> JobRecord:
+        """The job `job_id`: ApiError 404 when there is none."""
         job = await self.store.get(job_id)
         if job is None:
             raise ApiError(404, f"no tune job {job_id!r}", code="job_not_found")

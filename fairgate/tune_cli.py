@@ -93,7 +93,7 @@ from tuner.windows import study_windows
 STORAGE_ENV = "FAIRGATE_TUNE_STORAGE"  # the default --storage (a URL may hold a password)
 
 # the workload options of `fairgate bench` that tune does not offer, at bench's defaults
-_BENCH_DEFAULTS = {"scale_tokens": 1.0, "max_prompt_tokens": None, "max_output_tokens": None,
+BENCH_DEFAULTS = {"scale_tokens": 1.0, "max_prompt_tokens": None, "max_output_tokens": None,
                    "num_requests": None, "arrivals": None, "burstiness": None, "speed": None}
 
 
@@ -162,7 +162,7 @@ def workload_args(options: TuneOptions) -> argparse.Namespace:
     """The options as `fairgate bench`'s workload options (tuner.bench_cli.plan_requests and
     tuner.windows read these)."""
     return argparse.Namespace(
-        **_BENCH_DEFAULTS, workload=options.workload, trace=options.trace,
+        **BENCH_DEFAULTS, workload=options.workload, trace=options.trace,
         workload_file=options.workload_file, trace_format=options.trace_format,
         rate=options.rate, duration=options.duration, start=options.start,
         window=options.window, seed=options.seed)

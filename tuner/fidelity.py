@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from protocol.measures import RequestTiming
 from protocol.stats import percentile_of_sorted
-from tuner.simulate import SimResult, _Replay, simulate
+from tuner.simulate import Replay, SimResult, simulate
 from tuner.traces import TraceRequest
 
 # (figure, allowed relative error): issue 14's goals for the calibrated simulator
@@ -35,7 +35,7 @@ def replay_realtime(config: EngineConfig, requests: Sequence[TraceRequest],
     start = engine.clock.now()
     # shifted onto the engine's clock: the replay loop sleeps until each arrival comes
     shifted = [replace(r, arrival=start + r.arrival) for r in requests]
-    replay = _Replay(engine, shifted, None, 50, None)
+    replay = Replay(engine, shifted, None, 50, None)
     wall = time.perf_counter()
     stopped = replay.run()
     return SimResult(timings=replay.timings(), elapsed_s=replay.last_end - start,

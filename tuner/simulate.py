@@ -64,7 +64,7 @@ def simulate(config: EngineConfig, requests: Sequence[TraceRequest], *,
         engine = LLMEngine(config, clock=VirtualClock(first_arrival))
     except (ValueError, RuntimeError) as error:
         raise ValueError(str(error)) from None
-    replay = _Replay(engine, requests, stop, check_every, max_wall_s)
+    replay = Replay(engine, requests, stop, check_every, max_wall_s)
     stopped = replay.run()
     return SimResult(timings=replay.timings(), elapsed_s=replay.last_end - first_arrival,
                      stopped=stopped, steps=replay.steps,
@@ -73,8 +73,9 @@ def simulate(config: EngineConfig, requests: Sequence[TraceRequest], *,
                      refused=replay.refused)
 
 
-class _Replay:
-    """One run's state: the arrival cursor, the live requests, the finished timings."""
+class Replay:
+    """One run's state: the arrival cursor, the live requests, the finished timings (also
+    what tuner/fidelity.py replays on the wall clock)."""
 
     def __init__(self, engine: LLMEngine, requests: Sequence[TraceRequest],
                  stop: StopRule | None, check_every: int, max_wall_s: float | None) -> None:
