@@ -147,14 +147,15 @@ async def _through_the_load_generator(reads: list[tuple[float, bytes]],
 
 
 async def _through_the_shadow_sender(reads: list[tuple[float, bytes]],
-                                     clock: Clock) -> tuple[list[float], int | None, bool]:
+                                     clock: Clock) -> tuple[list[float], int | None, Any]:
+    """The stamps, the usage's token count, and why the copy failed (None: it did not)."""
     target = _Target(ShadowConfig("s", "http://shadow.test:8000"), lambda target, message: None)
     stamps: list[float] = []
     try:
-        tokens, ok = await target._read(Replay(reads, clock), stamps)
+        tokens, failure = await target._read(Replay(reads, clock), stamps)
     finally:
         await target.close()
-    return stamps, tokens, ok
+    return stamps, tokens, failure
 
 
 def _stamps(result: RequestResult) -> list[float]:
@@ -174,12 +175,12 @@ async def test_gateway_load_generator_and_shadow_count_the_same_tokens(
 
     outcome, client = await _through_the_gateway(reads, clock, endpoint)
     loadgen = await _through_the_load_generator(reads, clock)
-    shadow_stamps, shadow_tokens, shadow_ok = await _through_the_shadow_sender(reads, clock)
+    shadow_stamps, shadow_tokens, shadow_failure = await _through_the_shadow_sender(reads, clock)
     client_view = await _through_the_load_generator(client, clock)
 
     assert outcome.chunk_times == pytest.approx(expected)
     assert _stamps(loadgen) == pytest.approx(expected)
-    assert shadow_stamps == pytest.approx(expected) and shadow_ok
+    assert shadow_stamps == pytest.approx(expected) and shadow_failure is None
     assert _stamps(client_view) == pytest.approx(expected)  # the pass-through dropped none
     # TTFT and ITL, as each side reports them
     assert outcome.chunk_times[0] == loadgen.ttft == shadow_stamps[0] == client_view.ttft
