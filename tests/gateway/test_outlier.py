@@ -31,7 +31,7 @@ from tuner.fake_server import SCRIPT, make_fake_app
 FAILED, OK = Verdict.FAILED, Verdict.OK
 PAIR = ("a", "b")
 ADMIN = {"Authorization": "Bearer admin-key-0123456789"}  # tests.gateway.helpers' admin key
-APP_JS = Path(__file__).resolve().parents[2] / "gateway" / "dashboard_assets" / "app.js"
+APP_JS = Path(__file__).resolve().parents[2] / "control" / "dashboard_assets" / "app.js"
 # the page's script in node, a stub DOM around it: renderEngines(stdin's JSON), the rows written
 RENDER_ENGINES = """
 const fs = require("fs"), vm = require("vm");
