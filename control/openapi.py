@@ -70,9 +70,10 @@ SCHEMAS: dict[str, Schema] = {
                      "properties": _SHADOW_CHANGE},
     "Shadow": object_schema(name=STRING, url=STRING, kind=STRING, sample={"type": "number"},
                       queued=COUNT, sent=COUNT, dropped=COUNT, failed=COUNT, pairs=COUNT,
-                      model={**nullable(STRING), "description": "The model copies go under: "
-                             "the configured one, else the one the target serves (its "
-                             "/v1/models), null until it said"},
+                      model={**nullable(STRING), "description": "The target's model: the "
+                             "configured one, else the one it serves (its /v1/models; copies "
+                             "of requests for the default alias go under it), null until it "
+                             "said"},
                       failures={"type": "array", "description": "Failed copies by reason, "
                                 "most first", "items": _FAILURE}),
     "ShadowList": object_schema(shadows={"type": "array", "items": {"$ref": "#/components/schemas/Shadow"}}),

@@ -24,9 +24,9 @@ Worker -> gateway, in batches: FLUSH_S after a copy ended, STATE_S after only a 
     ("hist", name, ttft_counts, ttft_sum, itl_counts, itl_sum)   (deltas since the last batch)
     ("model", name, served)   the model the target serves (its /v1/models), once learnt
 
-The default alias: a target without a configured `model` is asked its /v1/models before the
-first copy that needs it (and again after it answered model_not_found: it may have been
-restarted with another model), so a copy of a request for "default" reaches it under the name
+The default alias: a target without a configured `model` is asked its /v1/models when it starts
+(and before a copy that needs it while it has not said, and again after it answered
+model_not_found: it may have been restarted with another model), so a copy of a request for "default" reaches it under the name
 it serves, as the live request reached the live engine under the live engine's.
 
 Times are `time.perf_counter()`, CLOCK_MONOTONIC on Linux: one clock for both processes, so a
@@ -213,6 +213,8 @@ class _Target:
         self._asking: asyncio.Task[str | None] | None = None
         self._wake = asyncio.Event()
         self._tasks = [asyncio.create_task(self._sender()) for _ in range(config.max_inflight)]
+        if config.model is None:  # asked now: the gateway shows it before any copy needs it
+            self._tasks.append(asyncio.create_task(self._learn_model()))
 
     @property
     def name(self) -> str:
@@ -297,6 +299,9 @@ class _Target:
             if self.served is not None:
                 self.report(self, ("model", self.name, self.served))
         return self.served
+
+    async def _learn_model(self) -> None:
+        await self._served_model()
 
     async def _ask_model(self) -> str | None:
         try:
