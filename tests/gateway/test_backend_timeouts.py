@@ -23,8 +23,7 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from engine.server import make_app as make_engine_app
-from gateway.backends import remote
-from gateway.backends import RemoteBackend
+from gateway.backends import RemoteBackend, remote
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.upstream import UpstreamPool, UpstreamTimeout
 from protocol.openai import ResponseWriter
