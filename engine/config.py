@@ -35,6 +35,7 @@ KV_CACHE_DTYPES = ("auto", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 SIM_CLOCKS = ("virtual", "realtime")
 SIM_HARDWARE = ("h100", "h200", "a100", "l4", "a10g", "cpu")
+METRICS_COMPAT = ("vllm",)  # other engines whose metric names /metrics can also export
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,10 @@ class EngineConfig:
     # engine-side admission (server)
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 4_000_000
+    # "vllm": /metrics (the engine server's, or the gateway's for its embedded engine) also
+    # exports every engine series under vLLM's name, so vLLM's dashboards work unchanged;
+    # None: fairgate_engine_* only (half the series)
+    metrics_compat: str | None = None
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -104,6 +109,11 @@ class EngineConfig:
         check_number("memory_fraction", self.memory_fraction, low=0, high=1, open_low=True)
         if self.sim_profile is not None:
             _check_sim_profile(self.sim_profile)
+        if self.metrics_compat is not None:
+            try:
+                check_choice("metrics_compat", self.metrics_compat, METRICS_COMPAT)
+            except ValueError as error:
+                raise ValueError(f"{error} (or null: fairgate's names only)") from None
         self._check_combinations()
 
     def _check_combinations(self) -> None:

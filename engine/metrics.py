@@ -3,8 +3,9 @@ server's, or the gateway's for its embedded engine.
 
 Gauges and cumulative counters are read from the engine's load snapshot at scrape time;
 latency histograms and token counters are fed per step and per finished request on the engine
-thread. `compat="vllm"` also exports the same signals under vLLM's names, so dashboards built
-for vLLM work unchanged.
+thread. The engine's `metrics_compat: vllm` (EngineConfig) also exports the same signals under
+vLLM's names, so dashboards built for vLLM work unchanged; it is read here, so the engine server
+and the gateway's embedded engine export the same series.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import StepOutput
 
-COMPAT_CHOICES = ("vllm",)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
@@ -120,14 +120,13 @@ class _SnapshotCollector(Collector):
 
 class EngineMetrics:
     """An EngineObserver whose series live in `registry`: a new one by default; the gateway
-    passes its own for its embedded engine."""
+    passes its own for its embedded engine. vLLM's names too when the engine's config says
+    `metrics_compat: vllm`."""
 
-    def __init__(self, engine: AsyncEngine, compat: str | None = None, *,
+    def __init__(self, engine: AsyncEngine, *,
                  registry: CollectorRegistry | None = None) -> None:
-        if compat not in (None, *COMPAT_CHOICES):
-            raise ValueError(f"metrics compat must be one of: {', '.join(COMPAT_CHOICES)}")
         self.registry = registry = CollectorRegistry() if registry is None else registry
-        self.compat = compat == "vllm"
+        self.compat = engine.config.metrics_compat == "vllm"
         self.model = engine.model_name
         self.max_model_len = engine.config.resolved_max_model_len
         registry.register(_SnapshotCollector(engine, self.compat))

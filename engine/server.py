@@ -63,8 +63,7 @@ def install_fast_event_loop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-def make_app(engine: AsyncEngine, *, metrics_compat: str | None = None,
-             client_max_size: int = DEFAULT_CLIENT_MAX_SIZE,
+def make_app(engine: AsyncEngine, *, client_max_size: int = DEFAULT_CLIENT_MAX_SIZE,
              access: EngineAccess | None = None) -> web.Application:
     """An app serving `engine`; its startup starts the engine and its cleanup shuts it down.
     `access`: the keys its routes want (None: every route open)."""
@@ -72,7 +71,7 @@ def make_app(engine: AsyncEngine, *, metrics_compat: str | None = None,
                                        key_middleware(access or EngineAccess())],
                           client_max_size=client_max_size)
     app[ENGINE_KEY] = engine
-    app[METRICS_KEY] = EngineMetrics(engine, metrics_compat)
+    app[METRICS_KEY] = EngineMetrics(engine)  # vLLM's names too: engine.config.metrics_compat
     register_process_metrics(app[METRICS_KEY].registry)
     app.cleanup_ctx.append(_engine_context)
     # Abort open streams before aiohttp waits for their handlers to end.

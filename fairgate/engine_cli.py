@@ -20,12 +20,12 @@ from typing import Any
 
 from engine.config import (
     ENGINE_KEY_ENV,
+    METRICS_COMPAT,
     EngineAccess,
     EngineConfig,
     check_bearer_key,
     is_loopback,
 )
-from engine.metrics import COMPAT_CHOICES
 from fairgate.config import load_config_file, section
 from protocol.serving import serve, setup_logging
 from protocol.yaml_files import YamlError, load_yaml
@@ -42,8 +42,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KNOB=VALUE",
                         help="override one engine knob (YAML value), e.g. --set max_num_seqs=32")
-    parser.add_argument("--metrics-compat", choices=COMPAT_CHOICES, default=None,
-                        help="also export vLLM's metric names")
+    parser.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None,
+                        help="also export vLLM's metric names (the knob metrics_compat)")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
     parser.add_argument("--api-key", metavar="KEY", default=None,
@@ -104,9 +104,11 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     config = build_config(args.config, args.overrides)
+    if args.metrics_compat is not None:  # the flag wins over the file, as --set does
+        config = config.replace(metrics_compat=args.metrics_compat)
     access = build_access(args, os.environ)  # refused before the model loads
     engine = AsyncEngine(config)  # loads the model before the port opens
-    app = make_app(engine, metrics_compat=args.metrics_compat, access=access)
+    app = make_app(engine, access=access)
     app.on_startup.append(freeze_startup_heap)  # after the engine context started
     install_fast_event_loop()
     log = logging.getLogger("fairgate.engine")

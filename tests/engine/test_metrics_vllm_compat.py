@@ -1,6 +1,7 @@
-"""`--metrics-compat vllm`: every series vLLM's own Grafana dashboard plots is exported, with
-vLLM's meaning (checked against the requests sent), beside its fairgate_engine_* counterpart
-and the process metrics; the whole exposition parses."""
+"""`metrics_compat: vllm` (the engine knob; `fairgate engine --metrics-compat vllm`): every
+series vLLM's own Grafana dashboard plots is exported, with vLLM's meaning (checked against the
+requests sent), beside its fairgate_engine_* counterpart and the process metrics; the whole
+exposition parses. The knob is validated, and needs a restart to change."""
 
 from __future__ import annotations
 
@@ -65,8 +66,9 @@ class Scrape:
 @pytest.fixture
 async def client(aiohttp_client: MakeClient) -> Client:
     config = EngineConfig(executor="sim", sim_model="tiny", max_model_len=MAX_MODEL_LEN,
-                          num_kv_blocks=256, max_num_batched_tokens=1024, max_num_seqs=64)
-    return await aiohttp_client(make_app(AsyncEngine(config), metrics_compat="vllm"))
+                          num_kv_blocks=256, max_num_batched_tokens=1024, max_num_seqs=64,
+                          metrics_compat="vllm")
+    return await aiohttp_client(make_app(AsyncEngine(config)))
 
 
 async def complete(client: Client, prompt_len: int, max_tokens: int) -> dict[str, Any]:
@@ -164,3 +166,22 @@ async def test_without_compat_no_vllm_series_but_process_metrics(
     assert not [name for name in scrape.samples if name.startswith("vllm:")]
     assert scrape.value("fairgate_engine_request_generation_tokens_sum") == 3
     assert "process_cpu_seconds_total" in scrape.samples
+
+
+def test_metrics_compat_is_a_validated_engine_knob() -> None:
+    assert EngineConfig().metrics_compat is None  # fairgate's names only, unless asked
+    assert EngineConfig.from_dict({"metrics_compat": "vllm"}).metrics_compat == "vllm"
+    assert EngineConfig.from_dict({"metrics_compat": None}).metrics_compat is None
+    for wrong in ("vLLM", "sglang", True, 1):
+        with pytest.raises(ValueError, match=r"metrics_compat must be one of vllm.*or null"):
+            EngineConfig.from_dict({"metrics_compat": wrong})
+
+
+async def test_metrics_compat_changes_only_with_a_restart(client: Client) -> None:
+    resp = await client.post("/admin/reconfigure", json={"changes": {"metrics_compat": None}})
+    assert resp.status == 400
+    assert "metrics_compat without a restart" in (await resp.json())["error"]["message"]
+    config = (await (await client.get("/admin/config")).json())["config"]
+    assert config["metrics_compat"] == "vllm"
+    scrape = Scrape(await (await client.get("/metrics")).text())
+    assert "vllm:num_requests_running" in scrape.samples

@@ -35,7 +35,7 @@ def realtime(**changes: Any) -> EngineConfig:
 
 @pytest.fixture
 async def client(aiohttp_client: MakeClient) -> Client:
-    return await aiohttp_client(make_app(AsyncEngine(sim_config(**ROOMY)), metrics_compat="vllm"))
+    return await aiohttp_client(make_app(AsyncEngine(sim_config(**ROOMY, metrics_compat="vllm"))))
 
 
 def engine_of(client: Client) -> AsyncEngine:
