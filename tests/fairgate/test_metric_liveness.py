@@ -25,6 +25,7 @@ from tests.support.waiting import wait_for, wait_until
 
 ADMIN = {"Authorization": "Bearer admin-key-0123456789"}
 ENGINE = ("executor=sim", "sim_clock=realtime", "max_model_len=1024")
+LIVE_ENGINE = (*ENGINE, "metrics_compat=vllm")  # vLLM's names are declared too, and must live
 TENANTS = {"acme": {"slo_ttft_p99_s": 5.0, "slo_tpot_p99_s": 1.0, "slo_itl_p99_s": 1.0},
            "tight": {"limits": {"requests_per_min": 1}}}
 # Families that cannot have a sample in this scenario, and why. Kept short: a family belongs
@@ -108,7 +109,7 @@ async def _apply(h: Harness, job_id: str, backend: str) -> dict[str, Any]:
 
 async def test_every_declared_metric_has_a_sample_after_the_standard_scenario(
         aiohttp_client: Any, db_url: str, tmp_path: Path) -> None:
-    with fairgate_engine_processes(ENGINE, ENGINE) as [(live, _), (shadow, _)]:
+    with fairgate_engine_processes(LIVE_ENGINE, ENGINE) as [(live, _), (shadow, _)]:
         h = await start_gateway(aiohttp_client, db_url, tenants=TENANTS, gateway={
             "backends": [{"url": live}], "shadow": [{"name": "cand", "url": shadow}],
             "jobs": {"dir": str(tmp_path / "jobs")}})
