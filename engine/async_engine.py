@@ -111,7 +111,8 @@ class AsyncEngine:
 
     @property
     def model_name(self) -> str:
-        return self._engine.config.model
+        """The model's id in the API (its first served name)."""
+        return self._engine.config.served_model_names[0]
 
     @property
     def llm_engine(self) -> LLMEngine:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.vllm_flags import KEY_ALIASES
 from protocol.validators import (
     check_bool,
     check_choice,
@@ -42,6 +43,10 @@ METRICS_COMPAT = ("vllm",)  # other engines whose metric names /metrics can also
 class EngineConfig:
     # what to run
     model: str = "random:tiny"
+    # the names the API serves the model under (vLLM's served_model_name), one or a list: the
+    # first is the id in /v1/models, in responses and in the metrics' model_name label; unset:
+    # `model` itself. `model` stays accepted in requests as an alias (served_model_names).
+    served_model_name: str | Sequence[str] | None = None
     executor: str = "torch"
     device: str = "auto"
     dtype: str = "auto"
@@ -88,6 +93,8 @@ class EngineConfig:
     metrics_compat: str | None = None
 
     def __post_init__(self) -> None:
+        if self.served_model_name is not None:  # one form, a tuple, whatever YAML gave
+            object.__setattr__(self, "served_model_name", _served_names(self.served_model_name))
         for name, choices in _CHOICES.items():
             check_choice(name, getattr(self, name), choices)
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size",
@@ -143,6 +150,16 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens})")
 
     @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The names the API serves the model under; the first is its id (vLLM's rule)."""
+        return tuple(self.served_model_name or ()) or (self.model,)
+
+    @property
+    def accepted_model_names(self) -> tuple[str, ...]:
+        """The names a request may give: the served names, and `model` as an alias."""
+        return tuple(dict.fromkeys((*self.served_model_names, self.model)))
+
+    @property
     def context_source(self) -> str:
         """Where the model's context length comes from, for messages."""
         if self.executor == "sim":
@@ -178,7 +195,9 @@ class EngineConfig:
         return self
 
     def replace(self, **changes: Any) -> EngineConfig:
-        """A new validated config with some knobs changed (unknown knobs: ValueError)."""
+        """A new validated config with some knobs changed (unknown knobs: ValueError); vLLM's
+        names for fairgate's knobs are taken too (canonical_knobs)."""
+        changes = canonical_knobs(changes)
         check_known_keys("engine", changes, KNOBS)
         return dataclasses.replace(self, **changes)
 
@@ -187,11 +206,38 @@ class EngineConfig:
         """Build from a YAML/JSON mapping; unknown keys are an error naming the key. The
         server's keys in the same section (ACCESS_KEYS) are EngineAccess's, left out here."""
         if isinstance(values, Mapping):
-            values = {k: v for k, v in values.items() if k not in ACCESS_KEYS}
+            values = canonical_knobs({k: v for k, v in values.items() if k not in ACCESS_KEYS})
         return from_mapping(cls, values, "engine")
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The knobs as JSON and YAML write them (the served names as a list)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.served_model_name is not None:
+            values["served_model_name"] = list(self.served_model_name)
+        return values
+
+
+def canonical_knobs(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` with vLLM's names for fairgate's knobs (KEY_ALIASES: gpu_memory_utilization is
+    memory_fraction, swap_space swap_space_gb, num_gpu_blocks_override num_kv_blocks) under the
+    knobs' own names; ValueError when both names of one knob are given."""
+    out = dict(values)
+    for alias, knob in KEY_ALIASES.items():
+        if alias in out:
+            if knob in out:
+                raise ValueError(f"engine: {alias} is vLLM's name for {knob}; give one of them, "
+                                 "not both")
+            out[knob] = out.pop(alias)
+    return out
+
+
+def _served_names(value: object) -> tuple[str, ...]:
+    names = [value] if isinstance(value, str) else value
+    if (not isinstance(names, (list, tuple)) or not names
+            or not all(isinstance(n, str) and n.strip() == n and n for n in names)):
+        raise ValueError("served_model_name must be a name or a list of names (non-empty, "
+                         f"without surrounding spaces), got {value!r}")
+    return tuple(names)
 
 
 def _check_sim_profile(path: object) -> None:

@@ -200,8 +200,8 @@ class LLMEngine:
     def check_reconfigurable(self, config: EngineConfig) -> None:
         """ValueError if `config` changes a knob that needs a restart (weights, device, clock);
         lets callers refuse a reconfiguration before draining for it."""
-        fixed = ("model", "executor", "device", "dtype", "seed", "sim_model", "sim_hardware",
-                 "sim_clock", "sim_profile", "attention_backend",
+        fixed = ("model", "served_model_name", "executor", "device", "dtype", "seed",
+                 "sim_model", "sim_hardware", "sim_clock", "sim_profile", "attention_backend",
                  "metrics_compat")  # the series are registered once, at start
         changed = [k for k in fixed if getattr(config, k) != getattr(self.config, k)]
         if changed:

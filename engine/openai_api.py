@@ -4,6 +4,7 @@ both call these, so a body means the same on every surface."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.request import SamplingParams
@@ -34,15 +35,18 @@ def sampling_params(req: OpenAIRequest, max_tokens: int) -> SamplingParams:
 
 
 def generation_request(req: OpenAIRequest, tokenizer: Tokenizer, max_model_len: int,
-                       model_name: str) -> GenerationRequest:
-    """Check the model, render the prompt, resolve max_tokens, build the sampling params."""
-    check_model(req, model_name)
+                       model_names: Sequence[str]) -> GenerationRequest:
+    """Check the model, render the prompt, resolve max_tokens, build the sampling params.
+    `model_names`: the names the engine answers to, its id first (EngineConfig's
+    accepted_model_names)."""
+    check_model(req, model_names)
     ids = prompt_token_ids(req, tokenizer)
     max_tokens = resolve_max_tokens(req, len(ids), max_model_len)
     return GenerationRequest(ids, sampling_params(req, max_tokens))
 
 
-def check_model(req: OpenAIRequest, model_name: str) -> None:
-    if req.model is not None and req.model != model_name:
+def check_model(req: OpenAIRequest, model_names: Sequence[str]) -> None:
+    """404 for a request naming a model that is none of `model_names` (no model: the engine's)."""
+    if req.model is not None and req.model not in model_names:
         raise ApiError(404, f"The model {req.model!r} does not exist; this engine serves "
-                       f"{model_name!r}", param="model", code="model_not_found")
+                       f"{model_names[0]!r}", param="model", code="model_not_found")

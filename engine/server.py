@@ -9,6 +9,7 @@ and `/admin/*` the admin key; health, readiness and `/metrics` stay open, as vLL
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import gc
 import hmac
@@ -48,9 +49,14 @@ async def freeze_startup_heap(app: web.Application) -> None:
     """Move everything allocated at startup (the model, imports, pools) out of the garbage
     collector's reach. A full collection walks every object: with SQLAlchemy or torch loaded that
     is a 50-100 ms pause of the event loop, which lands in the p99 of whatever request is in
-    flight. Long-running servers only: call it once, after startup."""
+    flight. Long-running servers only: call it once, after startup.
+
+    Unfrozen at exit: the interpreter's last collections skip frozen objects, so triton's
+    nanobind objects would outlive their module and print "nanobind: leaked ..." lines."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however many apps froze
+    atexit.register(gc.unfreeze)
 
 
 def install_fast_event_loop() -> None:
@@ -153,7 +159,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     req = parse_request(await _read_json(request), "chat" if chat else "completions")
     gen = generation_request(req, engine.tokenizer, engine.config.resolved_max_model_len,
-                             engine.model_name)
+                             engine.config.accepted_model_names)
     request_id = uuid.uuid4().hex
     writer = ResponseWriter(request_id, chat, engine.model_name, req.include_usage)
     outputs = engine.generate(request_id, gen.prompt_token_ids, gen.params, tenant=req.tenant,
@@ -239,10 +245,13 @@ async def _stream_outputs(response: web.StreamResponse, writer: ResponseWriter,
 
 
 async def models(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "fairgate",
-            "max_model_len": engine.config.max_model_len}
-    return web.json_response({"object": "list", "data": [card]})
+    """A card per served name, the id first, as vLLM's: `root` is the model itself, which a
+    request may name too (an alias, not listed)."""
+    config = request.app[ENGINE_KEY].config
+    cards = [{"id": name, "object": "model", "created": 0, "owned_by": "fairgate",
+              "root": config.model, "parent": None, "max_model_len": config.max_model_len}
+             for name in config.served_model_names]
+    return web.json_response({"object": "list", "data": cards})
 
 
 # ---- health, load, stats ---------------------------------------------------------------------

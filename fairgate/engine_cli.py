@@ -1,8 +1,14 @@
 """`fairgate engine`: a standalone engine server.
 
-    fairgate engine [-c fairgate.yaml] [--port 8100] [--host 127.0.0.1]
+    fairgate engine [MODEL] [-c fairgate.yaml] [--port 8100] [--host 127.0.0.1]
+                    [vLLM's flags: --max-num-seqs N --gpu-memory-utilization F ...]
                     [--set KNOB=VALUE ...] [--metrics-compat vllm]
                     [--api-key KEY] [--allow-unauthenticated]
+
+Knobs: the file's `engine` section, then the command line's: `--set KNOB=VALUE` and vLLM's
+flags (engine/vllm_flags.py, as `vllm serve MODEL --max-num-seqs 64` takes them). A knob set
+both by a flag and by --set is refused; one of vLLM's flags that fairgate does not have is a
+one-line error naming it.
 
 Keys (EngineAccess): --api-key, else $FAIRGATE_ENGINE_KEY, else the section's `api_key`; the
 admin key $FAIRGATE_ENGINE_ADMIN_KEY, else `admin_key`, else the api key. A --host other
@@ -19,38 +25,52 @@ from dataclasses import replace
 from typing import Any
 
 from engine.config import (
-    ENGINE_KEY_ENV,
     METRICS_COMPAT,
     EngineAccess,
     EngineConfig,
+    canonical_knobs,
     check_bearer_key,
     is_loopback,
 )
+from engine.vllm_flags import ENGINE_HOST, ENGINE_PORT, add_flags, knob_values, refuse_flags
 from fairgate.config import load_config_file, section
 from protocol.serving import serve, setup_logging
 from protocol.yaml_files import YamlError, load_yaml
 
-DEFAULT_PORT = 8100
-DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = ENGINE_PORT
+DEFAULT_HOST = ENGINE_HOST
+FlagKnobs = Mapping[str, tuple[str, Any]]  # knob -> (the flag that set it, its value)
 
 
 def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` takes it: a local checkpoint "
+                        "folder or random:PRESET (default: engine.model, else random:tiny)")
     parser.add_argument("-c", "--config", metavar="FILE",
                         help="fairgate.yaml; its `engine` section sets the knobs")
-    parser.add_argument("--host", default=DEFAULT_HOST, help=f"default {DEFAULT_HOST}")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    add_flags(parser)
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KNOB=VALUE",
                         help="override one engine knob (YAML value), e.g. --set max_num_seqs=32")
     parser.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None,
                         help="also export vLLM's metric names (the knob metrics_compat)")
     parser.add_argument("--log-level", default="info",
-                        choices=("debug", "info", "warning", "error"))
-    parser.add_argument("--api-key", metavar="KEY", default=None,
-                        help="the bearer key /v1/*, /load and /stats (and /admin/* without an "
-                        f"admin key) want (default ${ENGINE_KEY_ENV}, else engine.api_key)")
+                        choices=("debug", "info", "warning", "error"),
+                        help="the log's threshold (default info)")
     parser.add_argument("--allow-unauthenticated", action="store_true", default=None,
                         help="serve a non-loopback --host without an api key")
+    refuse_flags(parser)
+
+
+def flag_knobs(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
+    """The knobs the command line's vLLM flags and MODEL set; ValueError for a value a flag
+    cannot take, or the model given twice."""
+    knobs = knob_values(args)
+    if hasattr(args, "model"):
+        if "model" in knobs:
+            raise ValueError(f"MODEL ({args.model}) and --model both name the model: give one")
+        knobs["model"] = ("MODEL", args.model)
+    return knobs
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -67,16 +87,25 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return overrides
 
 
-def engine_section(config_file: str | None, overrides: list[str]) -> dict[str, Any]:
-    """The engine section of the file with `--set` overrides on top."""
-    values = dict(section(load_config_file(config_file), "engine"))
-    values.update(parse_overrides(overrides))
+def engine_section(config_file: str | None, overrides: list[str],
+                   flags: FlagKnobs | None = None) -> dict[str, Any]:
+    """The engine section of the file with `--set` overrides and `flags` on top, vLLM's key
+    names under fairgate's (canonical_knobs); ValueError for a knob a flag and --set both set."""
+    values = canonical_knobs(section(load_config_file(config_file), "engine"))
+    sets = canonical_knobs(parse_overrides(overrides))
+    for knob, (flag, _) in (flags or {}).items():
+        if knob in sets:
+            raise ValueError(f"{flag} and --set {knob}=... both set {knob}: give one")
+    values.update(sets)
+    values.update({knob: value for knob, (_, value) in (flags or {}).items()})
     return values
 
 
-def build_config(config_file: str | None, overrides: list[str]) -> EngineConfig:
-    """The engine section of the file with `--set` overrides on top; ValueError when wrong."""
-    values = engine_section(config_file, overrides)
+def build_config(config_file: str | None, overrides: list[str],
+                 flags: FlagKnobs | None = None) -> EngineConfig:
+    """The engine section of the file with `--set` overrides and `flags` on top; ValueError
+    when wrong."""
+    values = engine_section(config_file, overrides, flags)
     try:
         return EngineConfig.from_dict(values)
     except TypeError as exc:  # a wrongly typed value compared during validation
@@ -103,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level.upper())
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    config = build_config(args.config, args.overrides)
+    config = build_config(args.config, args.overrides, flag_knobs(args))
     if args.metrics_compat is not None:  # the flag wins over the file, as --set does
         config = config.replace(metrics_compat=args.metrics_compat)
     access = build_access(args, os.environ)  # refused before the model loads
@@ -117,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
                     args.host)
     # handler_cancellation: a client that hangs up on a non-streamed request aborts it too
     serve(app, args.host, args.port, handler_cancellation=True,  # OSError: the port is taken
-          on_listening=lambda _: log.info("serving %s on http://%s:%d (%s)", config.model,
+          on_listening=lambda _: log.info("serving %s on http://%s:%d (%s)", _model_text(config),
                                           args.host, args.port, _keys_text(access)))
     return 0
 
@@ -126,3 +155,9 @@ def _keys_text(access: EngineAccess) -> str:
     if access.api_key is None:
         return "open" if access.effective_admin_key is None else "admin key on /admin/*"
     return "api key" + (", admin key on /admin/*" if access.admin_key is not None else "")
+
+
+def _model_text(config: EngineConfig) -> str:
+    if config.served_model_name is None:
+        return config.model
+    return f"{config.model} as {', '.join(config.served_model_names)}"

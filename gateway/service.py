@@ -205,7 +205,9 @@ class Gateway:
         names = self.pool.model_names()
         if req.model is None or req.model == "default":
             req.model = names[0] if names else "default"
-        elif req.model not in names:
+        elif (model := self.pool.resolve_model(req.model)) is not None:
+            req.model = model  # an alias (a served model's path): the id it stands for
+        else:
             raise ApiError(404, f"The model {req.model!r} does not exist; this gateway serves: "
                            f"{', '.join(names) or 'none yet'}", code="model_not_found",
                            param="model")

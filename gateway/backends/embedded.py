@@ -30,6 +30,7 @@ class EmbeddedBackend:
         self.name = name
         self.slack = slack
         self.model_name = str(getattr(engine, "model_name", engine.config.model))
+        self.model_aliases = tuple(engine.config.accepted_model_names)  # the model path too
         self.max_model_len = int(engine.config.max_model_len)
         self.tokenizer: Tokenizer = engine.tokenizer
         self.inflight = 0

@@ -190,6 +190,16 @@ class BackendPool:
         names = (getattr(b, "model_name", "") for b in self.backends)  # test doubles may lack it
         return list(dict.fromkeys(n for n in names if n))
 
+    def resolve_model(self, name: str) -> str | None:
+        """The model id `name` means: an id itself, else the one it is an alias of (another
+        served name, or the model path, of a backend's model); None: nobody serves it."""
+        if name in self.model_names():
+            return name
+        for b in self.backends:
+            if getattr(b, "model_name", "") and name in getattr(b, "model_aliases", ()):
+                return str(b.model_name)
+        return None
+
     def _eligible(self, model: str | None, exclude: Backend | None = None) -> list[Backend]:
         """Backends that may take a request for `model`: not `exclude`, serving it (one that
         has not said its model yet serves any), admitting new requests."""

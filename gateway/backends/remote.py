@@ -72,6 +72,7 @@ class RemoteBackend:
         self.config = config
         self.name = config.base_url
         self.model_name = config.model or ""
+        self.model_aliases: tuple[str, ...] = ()  # other names requests may give for it
         self.max_model_len = config.max_model_len or default_max_model_len
         self.inflight = 0
         self.healthy = False
@@ -205,8 +206,13 @@ class RemoteBackend:
     async def _discover_model(self) -> None:
         data = await self._get_json("/v1/models")
         models = data.get("data") or []
-        self.model_name = str(models[0]["id"]) if models else "default"
-        if self.tokenizer is None and self.model_name.startswith("random:"):
+        ids = [str(m["id"]) for m in models]
+        self.model_name = ids[0] if ids else "default"
+        # its other served names, and the model each card is of (`root`, vLLM's field)
+        roots = [str(m["root"]) for m in models if isinstance(m, dict) and m.get("root")]
+        self.model_aliases = tuple(dict.fromkeys([*ids[1:], *roots]))
+        names = (self.model_name, *self.model_aliases)
+        if self.tokenizer is None and any(n.startswith("random:") for n in names):
             self.tokenizer = ByteTokenizer()
 
     # ---- requests ---------------------------------------------------------------------------
