@@ -247,8 +247,6 @@ class _Target:
         started = time.perf_counter()
         sent_at = time.time()
         stamps: list[float] = []
-        tokens: int | None = None
-        failure: CopyFailure | None = None
         self.inflight += 1
         self.report(self, None)
         try:
@@ -270,7 +268,7 @@ class _Target:
                         stamps: list[float]) -> tuple[int | None, CopyFailure | None]:
         """Send one copy and read its answer: (usage tokens, why it failed or None)."""
         try:
-            model = body.get("model") or self.config.model or await self._served_model()
+            model = self.config.model or body.get("model") or await self._served_model()
             path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
             resp = await self._http.request("POST", path,
                                             self._body(body, model, tenant, priority),
@@ -314,17 +312,16 @@ class _Target:
             log.warning("shadow %s: could not ask its /v1/models: %s", self.name, exc)
             return None
         models = answer.get("data") if isinstance(answer, dict) else None
-        if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+        first = models[0] if isinstance(models, list) and models else None
+        if not isinstance(first, dict) or "id" not in first:
             return None
-        return str(models[0]["id"])
+        return str(first["id"])
 
     def _body(self, body: dict[str, Any], model: str | None, tenant: str,
               priority: str) -> bytes:
         copy = dict(body)
         copy.update(stream=True, stream_options={"include_usage": True})
-        if self.config.model is not None:
-            copy["model"] = self.config.model
-        elif model is not None:
+        if model is not None:
             copy["model"] = model
         if self.config.kind == "fairgate":
             copy.update(tenant=tenant, priority=priority)
