@@ -41,13 +41,14 @@ def run(args: argparse.Namespace) -> int:
         f"embedded {config.engine.model} ({config.engine.executor})")
     admin = (f"${ADMIN_KEY_ENV}" if os.environ.get(ADMIN_KEY_ENV) else  # it wins over the file
              "gateway.admin_key" if config.gateway.admin_key else "off")
-    print(f"fairgate gateway on http://{host}:{port} -> {backends}; "
-          f"dispatch={config.gateway.dispatch}; admin key: {admin}", flush=True)
     settings = config.gateway
     extra = [] if settings.metrics_port is None else [
         (make_metrics_app(app), settings.metrics_host, settings.metrics_port)]
 
     def listening(bound: list[tuple[str, int]]) -> None:
+        # Only now: a port in use is the one error line, with no banner before it.
+        print(f"fairgate gateway on http://{host}:{bound[0][1]} -> {backends}; "
+              f"dispatch={config.gateway.dispatch}; admin key: {admin}", flush=True)
         if extra:
             metrics_host, metrics_port = bound[1]
             print(f"metrics on http://{metrics_host}:{metrics_port}/metrics", flush=True)

@@ -145,7 +145,7 @@ async def start_cluster(fleet: Fleet, tmp: Path, *, gateway_database: str,
     gateway = Service("gateway", ["serve", "-c", str(path)], tmp)
     fleet.services.append(gateway)
     await gateway.wait_line("fairgate gateway on")
-    # It prints that line before it starts; it listens once the database and backends are up.
+    # It prints that line once it listens: this returns at once, unless it exited since.
     await wait_for(lambda: gateway.proc.poll() is not None or accepts(port), timeout=30)
     assert gateway.proc.poll() is None, gateway.tail()
     return Cluster(fleet, gateway, [e for e, _ in pairs], urls, f"http://127.0.0.1:{port}",
