@@ -138,7 +138,25 @@ async def _delete(store: TenantStore, args: argparse.Namespace) -> int:
 
 
 def _limits_text(limits: TenantLimits) -> str:
-    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(limits).items() if v is not None)
+    return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in dataclasses.asdict(limits).items() if v is not None)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}s"
+
+
+# The table's SLO columns: vLLM's metric names (TTFT, TPOT, ITL) at p99.
+_SLO_COLUMNS = {"TTFT_P99": "slo_ttft_p99_s", "TPOT_P99": "slo_tpot_p99_s",
+                "ITL_P99": "slo_itl_p99_s"}
+
+
+def listed_tenant_json(info: TenantInfo, active_keys: int) -> dict[str, Any]:
+    """A tenant as `GET /admin/tenants` answers it (gateway.admin.tenant_json's fields: the
+    limits nested, unset ones null), and its number of active keys."""
+    out = tenant_to_dict(info, [])
+    del out["keys"]  # hashes: `tenants export` writes them
+    return {**out, "id": info.id, "active_keys": active_keys}
 
 
 async def _list(store: TenantStore, args: argparse.Namespace) -> int:
@@ -146,17 +164,16 @@ async def _list(store: TenantStore, args: argparse.Namespace) -> int:
     keys = await store.list_keys()
     active = {t.name: sum(1 for k in keys if k.tenant == t.name and not k.revoked) for t in tenants}
     if args.json:
-        out = [{**tenant_to_dict(t, []), "active_keys": active[t.name]} for t in tenants]
-        for entry in out:
-            entry.pop("keys")
-        print(json.dumps(out, indent=2))
+        print(json.dumps([listed_tenant_json(t, active[t.name]) for t in tenants], indent=2))
         return 0
     rows = [
         [t.name, f"{t.weight:g}", t.default_priority, ",".join(t.allowed_priorities),
-         "yes" if t.enabled else "no", active[t.name], _limits_text(t.limits) or "-"]
+         "yes" if t.enabled else "no", active[t.name], _limits_text(t.limits) or "-",
+         *(_seconds(getattr(t, field)) for field in _SLO_COLUMNS.values())]
         for t in tenants
     ]
-    print(table(["NAME", "WEIGHT", "PRIORITY", "ALLOWED", "ENABLED", "KEYS", "LIMITS"], rows))
+    print(table(["NAME", "WEIGHT", "PRIORITY", "ALLOWED", "ENABLED", "KEYS", "LIMITS",
+                 *_SLO_COLUMNS], rows))
     return 0
 
 
