@@ -25,8 +25,9 @@ from tests.deploy.exposition import SAMPLE_SUFFIXES
 from tests.deploy.vllm_dashboard import DASHBOARDS, dashboard_samples
 from tests.support.processes import fairgate_process, free_port
 
+# served under a Hugging Face style name, as vLLM users' engines are: the dashboard's model_name
 ENGINE = {"executor": "sim", "sim_model": "tiny", "sim_clock": "realtime", "sim_hardware": "cpu",
-          "max_model_len": 1024, "metrics_compat": "vllm"}
+          "max_model_len": 1024, "served_model_name": "acme/tiny-chat", "metrics_compat": "vllm"}
 # (prompt, max_tokens, stream): one answer of a single token (no gap between tokens)
 REQUESTS = (("hello there", 6, False), ("a longer prompt than the first", 3, True), ("x", 1, False))
 # which samples of a family say it saw the requests: a panel of them is not a flat zero
@@ -153,6 +154,7 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, 
 def test_vllms_dashboard_has_data_on_every_panel_against_fairgate_engine(
         engine: str, dashboard: str) -> None:
     model = send_requests(engine, None)
+    assert model == ENGINE["served_model_name"]
     check_dashboard(dashboard, Scrape.of(get(f"{engine}/metrics").decode()), model)
 
 
@@ -161,6 +163,7 @@ def test_vllms_dashboard_has_data_on_every_panel_against_fairgate_serve(
         serve: tuple[str, str, str], dashboard: str) -> None:
     url, key, metrics = serve
     model = send_requests(url, key)
+    assert model == ENGINE["served_model_name"]
     check_dashboard(dashboard, Scrape.of(get(f"{metrics}/metrics").decode()), model)
 
 
