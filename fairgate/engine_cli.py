@@ -104,12 +104,17 @@ def engine_section(config_file: str | None, overrides: list[str],
 def build_config(config_file: str | None, overrides: list[str],
                  flags: FlagKnobs | None = None) -> EngineConfig:
     """The engine section of the file with `--set` overrides and `flags` on top; ValueError
-    when wrong."""
+    when wrong, naming the flag when a flag set the knob it is about."""
     values = engine_section(config_file, overrides, flags)
     try:
         return EngineConfig.from_dict(values)
     except TypeError as exc:  # a wrongly typed value compared during validation
         raise ValueError(f"invalid engine setting: {exc}") from None
+    except ValueError as exc:
+        knob = str(exc).split(" ", 1)[0]
+        if flags and knob in flags:  # the user typed --gpu-memory-utilization, not the knob
+            raise ValueError(f"{flags[knob][0]}: {exc}") from None
+        raise
 
 
 def build_access(args: argparse.Namespace, environ: Mapping[str, str]) -> EngineAccess:

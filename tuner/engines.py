@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine import vllm_flags
 from engine.config import KNOBS
 from protocol.validators import check_choice
 
@@ -127,10 +128,8 @@ KNOBS_REFUSED = "the engine refused the knobs"
 
 VLLM = Engine(
     name="vllm",
-    knob_flags={"max_num_seqs": "--max-num-seqs",
-                "max_num_batched_tokens": "--max-num-batched-tokens",
-                "max_model_len": "--max-model-len",
-                "memory_fraction": "--gpu-memory-utilization"},
+    knob_flags={knob: vllm_flags.flag_for(knob) for knob in (
+        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "memory_fraction")},
     health_path="/health",
     failures=_patterns(
         (OUT_OF_MEMORY, r"CUDA out of memory|torch\.(cuda\.)?OutOfMemoryError"
