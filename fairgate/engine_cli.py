@@ -51,7 +51,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     add_flags(parser)
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KNOB=VALUE",
-                        help="override one engine knob (YAML value), e.g. --set max_num_seqs=32")
+                        help="override one engine knob (YAML value), e.g. --set max_num_seqs=32 "
+                        "(a knob one of the flags above also sets is refused)")
     parser.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None,
                         help="also export vLLM's metric names (the knob metrics_compat)")
     parser.add_argument("--log-level", default="info",
