@@ -73,7 +73,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     req = parser.add_argument_group("requests")
     req.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
-    req.add_argument("--model", help="default: the first id of GET /v1/models")
+    req.add_argument("--model", help="the model every request names (default: the workload "
+                     "file's model, else the first id of GET /v1/models)")
     req.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
     slo = parser.add_argument_group(
         "SLOs (vLLM's names)",
@@ -99,12 +100,16 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    requests = plan_requests(args)
+    mix = plan_mix(args)
+    requests = build_mix(mix, _limits(args))
     if not requests:
         raise ValueError("the workload produced no requests; raise --duration or --rate")
     if args.save_trace:
         write_fairgate_trace(args.save_trace, requests)
-    target = Target(args.url, args.api_key, args.endpoint, args.model)
+    if args.model is None and mix.model is not None:
+        print(f"fairgate bench: model {mix.model!r}, named by {args.workload_file}",
+              file=sys.stderr)
+    target = Target(args.url, args.api_key, args.endpoint, args.model or mix.model)
     options = RunOptions(
         max_concurrency=args.max_concurrency,
         slo_ttft=args.slo_ttft,
@@ -145,17 +150,25 @@ def finish(report: Report, args: argparse.Namespace) -> int:
 
 def plan_requests(args: argparse.Namespace) -> list[TraceRequest]:
     """The requests the options describe: one workload, one trace, or a tenant mix."""
-    limits = Limits(args.scale_tokens, args.max_prompt_tokens, args.max_output_tokens)
+    return build_mix(plan_mix(args), _limits(args))
+
+
+def plan_mix(args: argparse.Namespace) -> MixSpec:
+    """A workload file's tenant mix (its shape under the command line's), or one tenant
+    sending one named workload or trace."""
     if args.workload_file:
         spec = load_workload_file(args.workload_file)
-        return build_mix(MixSpec(spec.tenants, _shape(args, spec.shape)), limits)
+        return dataclasses.replace(spec, shape=_shape(args, spec.shape))
     workload: Workload = (
         TraceReplay(args.trace, Path(args.trace), args.trace_format)
         if args.trace
         else get_workload(args.workload)
     )
-    mix = MixSpec((TenantMix("default", workload),), _shape(args, LoadShape()))
-    return build_mix(mix, limits)
+    return MixSpec((TenantMix("default", workload),), _shape(args, LoadShape()))
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    return Limits(args.scale_tokens, args.max_prompt_tokens, args.max_output_tokens)
 
 
 def _shape(args: argparse.Namespace, base: LoadShape) -> LoadShape:

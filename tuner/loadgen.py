@@ -122,7 +122,9 @@ async def run_workload(
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,
     ) as session:
-        model = target.model or await discover_model(session, target)
+        # Any key of the run may ask the models: a mix's tenants may bring their own.
+        keys = list(dict.fromkeys([target.api_key, *(r.api_key for r in requests)]))
+        model = target.model or await discover_model(session, target, keys)
         sender = _Sender(session, target, model, text, options)
         text(1, 0)  # builds the text pool now, not inside the first timed request
         results, duration = await _dispatch(requests, sender, options, on_progress, stop)
@@ -154,21 +156,34 @@ def run_workload_sync(*args: Any, **kwargs: Any) -> Report:
     return asyncio.run(run_workload(*args, **kwargs))
 
 
-async def discover_model(session: aiohttp.ClientSession, target: Target) -> str:
-    """The first model id the server lists; "default" when it lists none or refuses."""
-    try:
-        async with session.get(
-            target.base + "/v1/models",
-            headers=_headers(target.api_key),
-            timeout=aiohttp.ClientTimeout(total=10),
-        ) as resp:
-            if resp.status != 200:
-                return "default"
-            data = await resp.json(content_type=None)
-    except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-        raise BenchError(f"cannot reach {target.url}: {exc or type(exc).__name__}") from None
-    except (aiohttp.ClientError, ValueError):
-        return "default"
+async def discover_model(session: aiohttp.ClientSession, target: Target,
+                         api_keys: Sequence[str | None] = ()) -> str:
+    """The first model id the server lists, asked with each of `api_keys` (default: the
+    target's) until one is not refused; "default" when it lists none. BenchError when it
+    refuses them all (401, 403): every request would be refused too, and a guessed model
+    would hide why."""
+    url = target.base + "/v1/models"
+    refused = ""
+    for key in api_keys or (target.api_key,):
+        try:
+            async with session.get(url, headers=_headers(key),
+                                   timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                if resp.status in (401, 403):
+                    refused = f"{resp.status} ({_error_message(await resp.read())})"
+                    continue
+                if resp.status != 200:
+                    return "default"
+                return _first_model(await resp.json(content_type=None))
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            raise BenchError(f"cannot reach {target.url}: {exc or type(exc).__name__}") from None
+        except (aiohttp.ClientError, ValueError):
+            return "default"
+    why = ("it refused every API key given" if any(api_keys or (target.api_key,)) else
+           "it wants an API key: give --api-key KEY")
+    raise BenchError(f"GET {url} answered {refused}; {why}")
+
+
+def _first_model(data: Any) -> str:
     models = data.get("data") if isinstance(data, dict) else None
     if models and isinstance(models[0], dict) and "id" in models[0]:
         return str(models[0]["id"])

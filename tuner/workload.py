@@ -13,6 +13,7 @@ mooncake. A workload file (YAML or JSON, `load_workload_file`) describes a tenan
     duration: 60             # seconds (optional; --duration wins)
     arrivals: poisson        # poisson | gamma | constant | trace
     burstiness: 1.0          # gamma shape: 1 = Poisson, < 1 burstier
+    model: llama-3-8b        # the model every request names (optional; --model wins)
     tenants:
       - {tenant: acme, api_key: fg-acme, priority: interactive, share: 0.8, workload: longtail}
       - tenant: batchco
@@ -212,6 +213,11 @@ class TenantMix:
 class MixSpec:
     tenants: tuple[TenantMix, ...]
     shape: LoadShape = field(default_factory=LoadShape)
+    model: str | None = None  # None: the server's (its first of GET /v1/models)
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"model must be a model name, got {self.model!r}")
 
 
 # ----------------------------------------------------------------------------- registry
@@ -313,10 +319,10 @@ def _parse_mix(data: Any, path: Path) -> MixSpec:
     if not isinstance(data, dict) or not isinstance(data.get("tenants"), list):
         raise ValueError("a workload file is a mapping with a 'tenants' list")
     shape_keys = [f.name for f in dataclasses.fields(LoadShape)]
-    check_known_keys("workload file", data, [*shape_keys, "tenants"])
+    check_known_keys("workload file", data, [*shape_keys, "tenants", "model"])
     shape = LoadShape(**{k: v for k, v in data.items() if k in shape_keys})
     tenants = tuple(_parse_tenant(t, path) for t in data["tenants"])
-    return MixSpec(tenants, shape)
+    return MixSpec(tenants, shape, data.get("model"))
 
 
 def _parse_tenant(entry: Any, path: Path) -> TenantMix:

@@ -81,7 +81,14 @@ def test_bench_workload_file_per_tenant_and_bad_keys(
     rc = main(["bench", "--url", url, "--api-key", "wrong", *args])
     text = capsys.readouterr().out
     assert rc == 0 and re.search(r"HTTP 401:\s+\d+ ", text)
+    # no key of the run is accepted: GET /v1/models says so before anything is sent
     rc = main(["bench", "--url", url, "--api-key", "wrong", "--workload", "fixed", *SMALL])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert "/v1/models answered 401 (invalid API key); it refused every API key" in captured.err
+    # with --model nothing is asked first, and every request fails
+    rc = main(["bench", "--url", url, "--api-key", "wrong", "--model", "fake-model",
+               "--workload", "fixed", *SMALL])
     captured = capsys.readouterr()
     assert rc == 1  # nothing succeeded
     assert re.search(r"HTTP 401:\s+6 ", captured.out)
