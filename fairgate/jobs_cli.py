@@ -41,14 +41,14 @@ def register(parser: argparse.ArgumentParser) -> None:
                         "trials, ...), or captured_minutes")
     listing = sub.add_parser("list", help="every job: state, progress, best so far")
     show = sub.add_parser("show", help="one job with its trials")
-    show.add_argument("job_id", metavar="ID")
+    show.add_argument("job_id", metavar="ID", help="the job's id (`fairgate jobs list`)")
     cancel = sub.add_parser("cancel", help="cancel a job (its engine keeps its knobs)")
-    cancel.add_argument("job_id", metavar="ID")
+    cancel.add_argument("job_id", metavar="ID", help="the job's id (`fairgate jobs list`)")
     resume = sub.add_parser("resume", help="queue an interrupted, failed or cancelled job again")
-    resume.add_argument("job_id", metavar="ID")
+    resume.add_argument("job_id", metavar="ID", help="the job's id (`fairgate jobs list`)")
     apply = sub.add_parser("apply", help="apply a job's best config as a canary, then promote "
                            "or roll back")
-    apply.add_argument("job_id", metavar="ID")
+    apply.add_argument("job_id", metavar="ID", help="the job's id (`fairgate jobs list`)")
     apply.add_argument("--backend", required=True, metavar="URL", help="the canary replica")
     apply.add_argument("--canary-window", type=float, metavar="S",
                        help="seconds of live traffic to judge it on (default 60)")

@@ -20,13 +20,13 @@ from tenants.store import TenantStore
 def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION")
     create = sub.add_parser("create", help="create a key; the key alone goes to stdout, once")
-    create.add_argument("tenant")
+    create.add_argument("tenant", help="the tenant the key authenticates as")
     listing = sub.add_parser("list", help="list keys (prefixes only; keys are not stored)")
     listing.add_argument("--tenant", help="only this tenant's keys")
     listing.add_argument("--all", action="store_true", help="include revoked keys")
     listing.add_argument("--json", action="store_true", help="JSON instead of a table")
     revoke = sub.add_parser("revoke", help="revoke a key by id")
-    revoke.add_argument("key_id", metavar="ID")
+    revoke.add_argument("key_id", metavar="ID", help="the key's id (key_..., `fairgate keys list`)")
     for p in (create, listing, revoke):
         add_database_options(p)
 

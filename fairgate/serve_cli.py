@@ -20,7 +20,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="override gateway.host")
     parser.add_argument("--port", type=int, default=None, help="override gateway.port")
     parser.add_argument("--log-level", default="INFO",
-                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="the least severe log lines printed (default INFO)")
 
 
 def print_demo_key(key: str) -> None:

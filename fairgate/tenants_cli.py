@@ -11,8 +11,9 @@ from typing import Any
 
 from fairgate.actions import chosen_action
 from fairgate.tenants_common import add_database_options, check_name_args, run_with_store, table
+from protocol.priority import PRIORITIES
 from tenants.store import TenantStore, apply_changes
-from tenants.values import TenantError, TenantInfo, TenantLimits
+from tenants.values import NAME_RULE, TenantError, TenantInfo, TenantLimits
 from tenants.yaml_io import (
     ImportResult,
     export_yaml,
@@ -22,21 +23,34 @@ from tenants.yaml_io import (
     tenant_to_dict,
 )
 
-# option -> (field, kind); parsed in run() so a bad value is one error line, not argparse usage
-_FIELD_OPTIONS: dict[str, tuple[str, str]] = {
-    "--weight": ("weight", "float"),
-    "--default-priority": ("default_priority", "priority"),
-    "--allowed-priorities": ("allowed_priorities", "list"),
-    "--requests-per-min": ("requests_per_min", "int?"),
-    "--tokens-per-min": ("tokens_per_min", "int?"),
-    "--max-concurrent": ("max_concurrent", "int?"),
-    "--max-queued-requests": ("max_queued_requests", "int?"),
-    "--max-queued-tokens": ("max_queued_tokens", "int?"),
-    "--max-tokens": ("max_tokens", "int?"),
-    "--queue-timeout": ("queue_timeout_s", "float?"),
-    "--slo-ttft-p99": ("slo_ttft_p99_s", "float?"),  # each request's TTFT
-    "--slo-tpot-p99": ("slo_tpot_p99_s", "float?"),  # each request's TPOT
-    "--slo-itl-p99": ("slo_itl_p99_s", "float?"),  # every gap between tokens, pooled
+# option -> (field, kind, help); parsed in run() so a bad value is one error line, not argparse
+# usage. A limit or SLO given as 'none' is unset.
+_FIELD_OPTIONS: dict[str, tuple[str, str, str]] = {
+    "--weight": ("weight", "float", "share of the engine against other tenants' weights (> 0)"),
+    "--default-priority": ("default_priority", "priority",
+                           f"priority of a request that names none: {' or '.join(PRIORITIES)}"),
+    "--allowed-priorities": ("allowed_priorities", "list",
+                             f"priorities its requests may ask for: {','.join(PRIORITIES)}"),
+    "--requests-per-min": ("requests_per_min", "int?",
+                           "requests per sliding minute ('none': unlimited)"),
+    "--tokens-per-min": ("tokens_per_min", "int?",
+                         "prompt + output tokens per sliding minute ('none': unlimited)"),
+    "--max-concurrent": ("max_concurrent", "int?",
+                         "requests in flight at once ('none': unlimited)"),
+    "--max-queued-requests": ("max_queued_requests", "int?",
+                              "requests waiting in the queue ('none': the gateway's bound)"),
+    "--max-queued-tokens": ("max_queued_tokens", "int?",
+                            "estimated tokens waiting in the queue ('none': the gateway's bound)"),
+    "--max-tokens": ("max_tokens", "int?",
+                     "largest max_tokens one request may ask for ('none': unlimited)"),
+    "--queue-timeout": ("queue_timeout_s", "float?",
+                        "seconds a request may wait in the queue ('none': the gateway's)"),
+    "--slo-ttft-p99": ("slo_ttft_p99_s", "float?",
+                       "p99 target of each request's TTFT, seconds ('none': no target)"),
+    "--slo-tpot-p99": ("slo_tpot_p99_s", "float?",
+                       "p99 target of each request's TPOT, seconds ('none': no target)"),
+    "--slo-itl-p99": ("slo_itl_p99_s", "float?",
+                      "p99 target of all gaps between tokens, pooled, seconds ('none': no target)"),
 }
 _UNSET = ("none", "unlimited", "null")
 ACTIONS = ("create", "list", "update", "delete", "import", "export")
@@ -45,16 +59,16 @@ ACTIONS = ("create", "list", "update", "delete", "import", "export")
 def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION")
     create = sub.add_parser("create", help="create a tenant")
-    create.add_argument("name")
+    create.add_argument("name", help=f"the tenant's name: {NAME_RULE}")
     _add_field_options(create)
     create.add_argument("--key", action="store_true", help="also create an API key (printed once)")
     update = sub.add_parser("update", help="change a tenant's fields ('none' unsets a limit)")
-    update.add_argument("name")
+    update.add_argument("name", help="the tenant to change")
     _add_field_options(update)
     listing = sub.add_parser("list", help="list tenants")
     listing.add_argument("--json", action="store_true", help="JSON instead of a table")
     delete = sub.add_parser("delete", help="delete a tenant and its keys (usage is kept)")
-    delete.add_argument("name")
+    delete.add_argument("name", help="the tenant to delete")
     imp = sub.add_parser("import", help="create/update tenants from a tenants.yaml (idempotent)")
     imp.add_argument("file", help="tenants.yaml, or - for standard input")
     exp = sub.add_parser("export", help="write all tenants as tenants.yaml")
@@ -64,11 +78,14 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_field_options(p: argparse.ArgumentParser) -> None:
-    for option, (field, _) in _FIELD_OPTIONS.items():
-        p.add_argument(option, dest=field, metavar="VALUE", default=argparse.SUPPRESS)
+    for option, (field, _, help_text) in _FIELD_OPTIONS.items():
+        p.add_argument(option, dest=field, metavar="VALUE", default=argparse.SUPPRESS,
+                       help=help_text)
     state = p.add_mutually_exclusive_group()
-    state.add_argument("--enable", dest="enabled", action="store_true", default=argparse.SUPPRESS)
-    state.add_argument("--disable", dest="enabled", action="store_false", default=argparse.SUPPRESS)
+    state.add_argument("--enable", dest="enabled", action="store_true", default=argparse.SUPPRESS,
+                       help="serve its keys' requests (the default)")
+    state.add_argument("--disable", dest="enabled", action="store_false", default=argparse.SUPPRESS,
+                       help="refuse its keys' requests, keeping the tenant and its keys")
 
 
 def _convert(option: str, kind: str, raw: str) -> Any:
@@ -90,7 +107,7 @@ def _convert(option: str, kind: str, raw: str) -> Any:
 def field_changes(args: argparse.Namespace) -> dict[str, Any]:
     changes = {
         field: _convert(option, kind, getattr(args, field))
-        for option, (field, kind) in _FIELD_OPTIONS.items()
+        for option, (field, kind, _) in _FIELD_OPTIONS.items()
         if hasattr(args, field)
     }
     if hasattr(args, "enabled"):

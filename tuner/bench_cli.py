@@ -44,7 +44,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     src.add_argument(
         "--workload-file", metavar="FILE", help="YAML/JSON tenant mix (see tuner/workload.py)"
     )
-    parser.add_argument("--trace-format", choices=TRACE_FORMATS, default="auto")
+    parser.add_argument("--trace-format", choices=TRACE_FORMATS, default="auto",
+                        help="the --trace file's format (auto: from its name and first line)")
     load = parser.add_argument_group("load shape")
     load.add_argument("--rate", type=float, metavar="R", help="requests/s (traces: rescales time)")
     load.add_argument(
@@ -63,8 +64,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     lengths.add_argument(
         "--scale-tokens", type=float, default=1.0, metavar="F", help="multiply all lengths"
     )
-    lengths.add_argument("--max-prompt-tokens", type=int, metavar="N")
-    lengths.add_argument("--max-output-tokens", type=int, metavar="N")
+    lengths.add_argument("--max-prompt-tokens", type=int, metavar="N",
+                         help="cap each prompt at N tokens (after --scale-tokens)")
+    lengths.add_argument("--max-output-tokens", type=int, metavar="N",
+                         help="cap each output at N tokens (after --scale-tokens)")
     lengths.add_argument(
         "--tokenizer",
         choices=list(TOKENIZERS),
@@ -72,10 +75,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="how prompt text maps to tokens (byte: fairgate's default model)",
     )
     req = parser.add_argument_group("requests")
-    req.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
+    req.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions",
+                     help="/v1/completions or /v1/chat/completions")
     req.add_argument("--model", help="the model every request names (default: the workload "
                      "file's model, else the first id of GET /v1/models)")
-    req.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
+    req.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                     help="give up on one request after S seconds (default 600)")
     slo = parser.add_argument_group(
         "SLOs (vLLM's names)",
         "goodput counts the requests within --slo-ttft and --slo-tpot, as "
