@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
+from html import escape as html_escape
 from importlib import resources
 from typing import Any
 
@@ -78,8 +80,17 @@ async def page(request: web.Request) -> web.StreamResponse:
         auth.check_admin(request)  # 401 for a wrong key
     elif not auth.session_valid(request.cookies.get(SESSION_COOKIE)):
         raise web.HTTPSeeOther("/dashboard/login")
-    html = await asyncio.to_thread(_page_text, "dashboard.html")
+    html = await asyncio.to_thread(_dashboard_html)
     return web.Response(text=html, content_type="text/html", headers=_HEADERS)
+
+
+def _dashboard_html() -> str:
+    """The page, with the tune objectives' units (the tuner's table) for its plots' axes."""
+    from tuner.spec import OBJECTIVE_UNIT  # here, not at the top: it imports Optuna (big)
+
+    units = html_escape(json.dumps(OBJECTIVE_UNIT), quote=True)
+    return _page_text("dashboard.html").replace('data-objective-units="{}"',
+                                                f'data-objective-units="{units}"', 1)
 
 
 async def script(request: web.Request) -> web.Response:

@@ -3,7 +3,14 @@ const $ = (id) => document.getElementById(id);
 const pct = (v) => v === null || v === undefined ? "-" : (100 * v).toFixed(2) + "%";
 const num = (v, d = 2) => v === null || v === undefined ? "-" : Number(v).toFixed(d);
 const ms = (v) => v === null || v === undefined ? "-" : Math.abs(v) < 0.001 ? (1e6 * v).toFixed(0) + " \u00b5s" : (1000 * v).toFixed(1) + " ms";
+// the error budget left: a share while some is left; once spent, how many budgets were spent
+// (1 - left: the misses over the misses allowed), as the SRE workbook counts budget consumed
+const budget = (v) => v === null || v === undefined ? "no data" : v > 0 ? pct(v) : `exhausted (${times(1 - v)}\u00a0spent)`;
+const times = (v) => (v >= 100 ? Math.round(v).toLocaleString("en-US") : Number(v).toFixed(1)) + "x";
+const burn = (v) => v === null || v === undefined ? "no data" : times(v);
 const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({"&":"&amp;","<":"&lt;",">":"&gt;","\"":"&quot;","'":"&#39;"}[c]));
+// the objectives' units, as the tuner names them (tuner/spec.py; the page handler writes them)
+const unit = (objective) => JSON.parse(document.body.dataset.objectiveUnits || "{}")[objective] ?? "";
 let selected = location.hash.startsWith("#tenant=") ? decodeURIComponent(location.hash.slice(8)) : null;
 
 async function getJSON(path) {
@@ -13,8 +20,15 @@ async function getJSON(path) {
   return resp.json();
 }
 
-function cell(value, field, text, cls) {
-  return `<td data-field="${field}" data-value="${value === null || value === undefined ? "" : esc(value)}"${cls ? ` class="${cls}"` : ""}>${esc(text)}</td>`;
+function cell(value, field, text, cls, title) {
+  return `<td data-field="${field}" data-value="${value === null || value === undefined ? "" : esc(value)}"${cls ? ` class="${cls}"` : ""}` +
+    `${title ? ` title="${esc(title)}"` : ""}>${esc(text)}</td>`;
+}
+
+function budgetTitle(v) {
+  if (v === null || v === undefined) return "no requests checked against a target in 30 days";
+  return v > 0 ? `${pct(1 - v)} of the 30-day error budget spent` :
+    `the 30-day error budget is spent ${times(1 - v)} over (${pct(1 - v)} of it consumed)`;
 }
 
 function renderTenants(data) {
@@ -30,13 +44,14 @@ function renderTenants(data) {
       cell(t.rejected_1h, "rejected_1h", t.rejected_1h) +
       cell(t.p99_1h.ttft, "p99_ttft", `${ms(t.p99_1h.ttft)} / ${ms(t.slo.ttft_p99_s)}`, ttftMiss ? "miss" : "") +
       cell(t.p99_1h.tpot, "p99_tpot", `${ms(t.p99_1h.tpot)} / ${ms(t.slo.tpot_p99_s)}`, tpotMiss ? "miss" : "") +
-      cell(itl, "itl_attainment_1h", `${pct(itl)} \u2264 ${ms(t.slo.itl_p99_s)}`, itlMiss ? "miss" : "") +
+      cell(itl, "itl_attainment_1h", t.slo.itl_p99_s === null ? "no target" : itl === null ? "no data" : `${pct(itl)} \u2264 ${ms(t.slo.itl_p99_s)}`,
+           itlMiss ? "miss" : itl === null ? "muted" : "") +
       cell(t.attainment["1h"], "attainment_1h", pct(t.attainment["1h"]), t.attainment["1h"] !== null && t.attainment["1h"] < t.target ? "miss" : "") +
       cell(t.attainment["24h"], "attainment_24h", pct(t.attainment["24h"])) +
       cell(t.attainment["30d"], "attainment_30d", pct(t.attainment["30d"])) +
-      cell(t.budget_left_30d, "budget_left_30d", pct(t.budget_left_30d), t.budget_left_30d !== null && t.budget_left_30d <= 0 ? "miss" : "") +
-      cell(t.burn_rate["1h"], "burn_1h", num(t.burn_rate["1h"], 1) + "x") +
-      cell(t.burn_rate["6h"], "burn_6h", num(t.burn_rate["6h"], 1) + "x") +
+      cell(t.budget_left_30d, "budget_left_30d", budget(t.budget_left_30d), t.budget_left_30d === null ? "muted" : t.budget_left_30d <= 0 ? "miss" : "", budgetTitle(t.budget_left_30d)) +
+      cell(t.burn_rate["1h"], "burn_1h", burn(t.burn_rate["1h"]), t.burn_rate["1h"] === null ? "muted" : "") +
+      cell(t.burn_rate["6h"], "burn_6h", burn(t.burn_rate["6h"]), t.burn_rate["6h"] === null ? "muted" : "") +
       `<td>${esc(queued)}</td></tr>`;
   });
   document.querySelector("#tenants tbody").innerHTML = rows.join("") ||
@@ -47,37 +62,91 @@ function renderTenants(data) {
   }));
 }
 
-function plot(svg, points, {maxY = null, target = null, color = "#2f5bd3", bars = false, second = null} = {}) {
-  const w = 600, h = 170, pad = 28;
+// ---- plots: inline SVG drawn at the box's own pixel size, so text is never scaled ---------------
+const MARGIN = {left: 58, right: 16, top: 22, bottom: 40};  // top: room for the target's label
+const MINUTE_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 180, 360, 720, 1440];
+const clock = (minute) => new Date(minute * 60000).toLocaleTimeString([], {hour: "2-digit", minute: "2-digit", hourCycle: "h23"});
+const general = (v) => Number(v.toPrecision(3)).toString();
+
+// round tick values over [lo, hi], about `n` of them (steps of 1, 2 or 5 times a power of ten,
+// or, on a time axis, whole minutes and hours)
+function tickStep(span, n, time) {
+  const raw = span / n, tenth = 10 ** Math.floor(Math.log10(raw || 1));
+  return time ? (MINUTE_STEPS.find((s) => s >= raw) ?? 1440) : [1, 2, 5, 10].map((m) => m * tenth).find((s) => s >= raw);
+}
+
+function ticks(lo, hi, step) {
+  const out = [];
+  for (let v = Math.ceil(lo / step - 1e-9) * step; v <= hi + 1e-9; v += step) out.push(Number(v.toPrecision(12)));
+  return out;
+}
+
+// x and y: {label, min, max, format, time, integer}; a time axis counts minutes since the epoch;
+// an axis without a max ends at the first round step above the data
+function plot(svg, points, {x = {}, y = {}, target = null, color = "#2f5bd3", bars = false, second = null} = {}) {
+  const w = svg.clientWidth || 600, h = svg.clientHeight || 200;
+  const left = MARGIN.left, right = w - MARGIN.right, top = MARGIN.top, bottom = h - MARGIN.bottom;
   svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
-  if (!points.length) { svg.innerHTML = `<text x="${w / 2}" y="${h / 2}" text-anchor="middle" fill="#8a8f99">no data in this window</text>`; return; }
-  const xs = points.map((p) => p[0]), x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
-  const top = maxY ?? Math.max(1, ...points.map((p) => p[1]), ...(second || []).map((p) => p[1]));
-  const X = (x) => pad + (w - 2 * pad) * (x - x0) / (x1 - x0), Y = (y) => h - pad - (h - 2 * pad) * y / top;
-  let out = `<line x1="${pad}" y1="${h - pad}" x2="${w - pad}" y2="${h - pad}" stroke="#c8cdd6"/>` +
-    `<text x="4" y="${pad}" font-size="10" fill="#5b6475">${top >= 1 ? top.toFixed(0) : top.toFixed(2)}</text>`;
-  if (target !== null) out += `<line x1="${pad}" x2="${w - pad}" y1="${Y(target)}" y2="${Y(target)}" stroke="#c5221f" stroke-dasharray="4 3"/>`;
+  const all = points.concat(second || []);
+  const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
+  let x0 = x.min ?? Math.min(...xs), x1 = x.max ?? Math.max(...xs);
+  if (!all.length) [x0, x1] = [x.min ?? 0, x.max ?? 1];
+  if (x1 <= x0) [x0, x1] = [x0 - 0.5, x1 + 0.5];
+  const y0 = y.min ?? Math.min(0, ...ys), yHigh = y.max ?? Math.max(y0 + 1e-9, ...ys);
+  const yStep = tickStep(yHigh - y0, 4), y1 = y.max ?? Math.ceil(yHigh / yStep - 1e-9) * yStep;
+  const yTicks = ticks(y0, y1, yStep);
+  const X = (v) => left + (right - left) * (v - x0) / (x1 - x0), Y = (v) => bottom - (bottom - top) * (v - y0) / (y1 - y0);
+  const fx = x.format ?? (x.time ? clock : general), fy = y.format ?? general;
+  let out = `<line x1="${left}" y1="${bottom}" x2="${right}" y2="${bottom}" stroke="#9aa1ad"/>` +
+    `<line x1="${left}" y1="${top}" x2="${left}" y2="${bottom}" stroke="#9aa1ad"/>`;
+  out += yTicks.map((v) => `<line x1="${left}" x2="${right}" y1="${Y(v)}" y2="${Y(v)}" stroke="#eceef2"/>` +
+    `<text class="tick y-tick" x="${left - 6}" y="${Y(v) + 4}" text-anchor="end">${esc(fy(v))}</text>`).join("");
+  // a tick's label is centred on it, or kept inside the box at either end
+  const anchor = (px) => px < left + 24 ? "start" : px > right - 24 ? "end" : "middle";
+  const xTicks = ticks(x0, x1, Math.max(x.integer ? 1 : 0, tickStep(x1 - x0, Math.max(2, Math.floor((right - left) / 90)), x.time)));
+  out += xTicks.map((v) => `<line x1="${X(v)}" x2="${X(v)}" y1="${bottom}" y2="${bottom + 4}" stroke="#9aa1ad"/>` +
+    `<text class="tick x-tick" x="${X(v)}" y="${bottom + 16}" text-anchor="${anchor(X(v))}">${esc(fx(v))}</text>`).join("");
+  out += `<text class="x-label" x="${(left + right) / 2}" y="${h - 6}" text-anchor="middle">${esc(x.label ?? "")}</text>` +
+    `<text class="y-label" transform="translate(14 ${(top + bottom) / 2}) rotate(-90)" text-anchor="middle">${esc(y.label ?? "")}</text>`;
+  if (!points.length) out += `<text class="empty" x="${(left + right) / 2}" y="${(top + bottom) / 2}" text-anchor="middle">no data in this window</text>`;
+  // a minute's bar spans its minute (on a time axis), at least 2 px and at most 12 px wide
+  const barWidth = Math.max(2, Math.min(12, 0.8 * (right - left) / (x1 - x0)));
+  const middle = x.time ? 0.5 : 0;
   const draw = (pts, c) => bars
-    ? pts.map((p) => `<rect x="${X(p[0]) - 2}" y="${Y(p[1])}" width="4" height="${h - pad - Y(p[1])}" fill="${c}"/>`).join("")
-    : `<polyline fill="none" stroke="${c}" stroke-width="2" points="${pts.map((p) => `${X(p[0])},${Y(p[1])}`).join(" ")}"/>` +
-      pts.map((p) => `<circle cx="${X(p[0])}" cy="${Y(p[1])}" r="2.5" fill="${c}"/>`).join("");
+    ? pts.map((p) => `<rect x="${X(p[0] + middle) - barWidth / 2}" y="${Y(p[1])}" width="${barWidth}" height="${Y(y0) - Y(p[1])}" fill="${c}"/>`).join("")
+    : `<polyline fill="none" stroke="${c}" stroke-width="2" points="${pts.map((p) => `${X(p[0] + middle)},${Y(p[1])}`).join(" ")}"/>` +
+      pts.map((p) => `<circle cx="${X(p[0] + middle)}" cy="${Y(p[1])}" r="2.5" fill="${c}"/>`).join("");
   out += draw(points, color);
   if (second) out += draw(second, "#c5221f");
+  // the target over the data, labelled, in the headroom the axis leaves above it
+  if (target !== null) out += `<line class="target" x1="${left}" x2="${right}" y1="${Y(target)}" y2="${Y(target)}" stroke="#1d2330" stroke-width="1.5" stroke-dasharray="6 4"/>` +
+    `<text class="target-label" x="${left + 6}" y="${Y(target) - 5}">${esc(fy(target))} target</text>`;
   svg.innerHTML = out;
 }
+
+// the minutes a tenant's series spans: from its first minute with traffic (at least the last
+// 30 minutes) to now
+function timeAxis(series, now) {
+  const last = Math.floor(now / 60) + 1;
+  return {time: true, label: "time (local, per minute)", min: Math.min(last - 30, ...series.map((m) => m.minute)), max: last};
+}
+const pct0 = (v) => (100 * v).toFixed(0) + "%";
 
 async function refreshDetail() {
   if (!selected) return;
   const d = await getJSON(`/admin/slo/tenants/${encodeURIComponent(selected)}?hours=6`);
   $("detail").style.display = "block";
-  $("detail-title").textContent = `${d.name}: the last ${d.hours} hours (state ${d.state.replace("_", " ")}, budget left ${pct(d.budget_left_30d)})`;
-  plot($("plot-requests"), d.series.map((m) => [m.minute, m.requests]), {bars: true,
+  $("detail-title").textContent = `${d.name}, the last ${d.hours} hours: ${d.state.replace("_", " ")}; error budget 30d: ${budget(d.budget_left_30d)}`;
+  const time = timeAxis(d.series, Date.now() / 1000);
+  plot($("plot-requests"), d.series.map((m) => [m.minute, m.requests]), {bars: true, x: time, y: {label: "requests / min"},
        second: d.series.filter((m) => m.rejected).map((m) => [m.minute, m.rejected])});
+  // 0 to 110%: the 99% target sits below the top edge, with its label above it
   plot($("plot-attainment"), d.series.filter((m) => m.slo_checked).map((m) => [m.minute, m.slo_met / m.slo_checked]),
-       {maxY: 1, target: d.target, second: d.series.filter((m) => m.itl_gaps).map((m) => [m.minute, m.itl_gaps_met / m.itl_gaps])});
+       {x: time, y: {label: "met the SLO (%)", min: 0, max: 1.1, format: pct0}, target: d.target,
+        second: d.series.filter((m) => m.itl_gaps).map((m) => [m.minute, m.itl_gaps_met / m.itl_gaps])});
   const limits = Object.entries(d.limits).filter(([, v]) => v !== null).map(([k, v]) => `${k} ${v}`).join(", ");
   $("detail-limits").textContent = `limits: ${limits || "none"}; SLO: p99 TTFT <= ${ms(d.slo.ttft_p99_s)}, p99 TPOT <= ${ms(d.slo.tpot_p99_s)}, ` +
-    `p99 ITL <= ${ms(d.slo.itl_p99_s)} (gaps: budget left ${pct(d.itl_budget_left_30d)}, burn 1h ${num(d.itl_burn_rate["1h"], 1)}x)`;
+    `p99 ITL <= ${ms(d.slo.itl_p99_s)} (ITL gaps: error budget 30d: ${budget(d.itl_budget_left_30d)}, burn 1h: ${burn(d.itl_burn_rate["1h"])})`;
 }
 
 // ejected: outlier detection keeps it out of dispatch until `ejected_until` (its requests failed)
@@ -137,10 +206,13 @@ async function renderShadows() {
 async function renderJobs() {
   const data = await getJSON("/admin/tune-jobs");
   document.querySelector("#jobs tbody").innerHTML = data.jobs.map((j) => {
-    const p = j.progress, best = j.best ? `#${j.best.number} ${num(j.best.value, 3)} (${Object.entries(j.best.params).map(([k, v]) => `${k}=${v}`).join(", ")})` : "-";
-    const canary = j.apply ? `${esc(j.apply.state)}: ${esc((j.apply.steps.at(-1) || {}).step || "")}` : "";
+    const p = j.progress;
+    // a knob each, wrapping inside the cell: a best config of many knobs keeps the table in its card
+    const best = j.best ? `#${esc(j.best.number)} ${esc(num(j.best.value, 3))} ${esc(unit(j.spec.objective))} ` +
+      Object.entries(j.best.params).map(([k, v]) => `<span class="knob">${esc(k)}=${esc(v)}</span>`).join(" ") : "-";
+    const canary = j.apply ? `${esc(j.apply.state)}: ${esc((j.apply.steps.at(-1) || {}).step || "")}` : "-";
     return `<tr data-job="${esc(j.id)}"><td>${esc(j.id)}</td><td>${esc(j.state)}</td><td>${esc(j.spec.mode)}</td>` +
-      `<td>${esc(p.trials_done)}${p.trials_planned ? "/" + esc(p.trials_planned) : ""}</td><td>${esc(best)}</td><td style="text-align:left">${canary}</td></tr>`;
+      `<td>${esc(p.trials_done)}${p.trials_planned ? "/" + esc(p.trials_planned) : ""}</td><td class="wrap">${best}</td><td class="wrap">${canary}</td></tr>`;
   }).join("") || `<tr><td colspan="6" class="muted">no tuning jobs</td></tr>`;
   const last = data.jobs.filter((j) => j.progress.trials_done).at(-1);
   const box = $("job-plots");
@@ -152,9 +224,10 @@ async function renderJobs() {
   const bestSoFar = done.map((t) => [t.number, best = Math.max(best, t.feasible ? t.value : best)]).filter((p) => isFinite(p[1]));
   box.innerHTML = `<div class="plot"><h3>${esc(job.id)}: optimisation history (objective by trial; best feasible so far in red)</h3><svg id="plot-history"></svg></div>` +
     `<div class="plot"><h3>p99 TTFT (s) against the objective, each trial</h3><svg id="plot-pareto"></svg></div>`;
-  plot($("plot-history"), history, {second: bestSoFar});
+  const objective = {label: `${job.spec.objective} (${unit(job.spec.objective)})`};
+  plot($("plot-history"), history, {second: bestSoFar, x: {label: "trial", integer: true, format: (v) => `#${v}`}, y: objective});
   const pareto = done.filter((t) => t.measures && t.measures.p99_ttft_s !== undefined && isFinite(t.measures.p99_ttft_s)).map((t) => [t.measures.p99_ttft_s, t.value]);
-  plot($("plot-pareto"), pareto.sort((a, b) => a[0] - b[0]));
+  plot($("plot-pareto"), pareto.sort((a, b) => a[0] - b[0]), {x: {label: "p99 TTFT (s)"}, y: objective});
 }
 
 async function refresh() {

@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +41,22 @@ CHROMIUM = "/usr/bin/chromium"
 ADMIN_KEY = "admin-key-0123456789"
 TENANTS = {"roomy": {"slo_ttft_p99_s": 5.0, "slo_tpot_p99_s": 1.0, "slo_itl_p99_s": 1.0},
            "tight": {"slo_ttft_p99_s": 5.0, "slo_itl_p99_s": 1.0,
-                     "limits": {"requests_per_min": 3}}}
-SENT = {"roomy": 6, "tight": 5}  # tight: 3 served, 2 turned away (429)
+                     "limits": {"requests_per_min": 3}},
+           "quiet": {"slo_ttft_p99_s": 5.0}}
+# tight: 3 served, 2 turned away (429): 40% missed, its 1% budget spent 40 times over;
+# quiet: no traffic, so no burn rate
+SENT = {"roomy": 6, "tight": 5, "quiet": 0}
+SERVED = {"roomy": 6, "tight": 3, "quiet": 0}
+# six knobs: a best config as wide as a real tune's, for the jobs table's layout
 JOB = {"mode": "sim", "workload": "uniform", "rate": 2, "duration": 4, "trials": 3,
        "robustness": 0, "slo_ttft_p99_s": 30, "slo_tpot_p99_s": 5,
-       "set": {"max_num_seqs": 8}, "space": {"max_num_seqs": {"choices": [4, 8, 16]}}}
+       "set": {"max_num_seqs": 8}, "space": {
+           "max_num_seqs": {"choices": [4, 8, 16]},
+           "max_num_batched_tokens": {"choices": [1024, 2048]},
+           "long_prefill_token_threshold": {"choices": [0, 128]},
+           "max_num_partial_prefills": {"choices": [1, 2]},
+           "enable_prefix_caching": {"choices": [True, False]},
+           "block_size": {"choices": [16, 32]}}}
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not "
                                      "installed (pip install -e '.[dev]')")
@@ -95,10 +108,12 @@ def _stream(url: str, key: str) -> int:
         return exc.code
 
 
-@pytest.fixture
-def deployment(tmp_path: Path) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A gateway with its control plane on a real port (an embedded engine), one shadow target
-    (an engine server of its own), tenants with traffic and a finished tune job: its URL."""
+    (an engine server of its own), tenants with traffic and a finished tune job: its URL.
+    Every test here reads it and none changes it, so they share one."""
+    tmp_path = tmp_path_factory.mktemp("deployment")
     db = f"sqlite+aiosqlite:///{tmp_path / 'gateway.db'}"
     keys = asyncio.run(create_tenants(db, TENANTS))
     shadow_engine = AsyncEngine(EngineConfig(executor="sim", max_model_len=512, max_num_seqs=8))
@@ -113,12 +128,14 @@ def deployment(tmp_path: Path) -> Iterator[str]:
             status, job = _call(url, "/admin/tune-jobs", JOB)
             assert status == 201, job
             statuses = {t: [_stream(url, keys[t]) for _ in range(n)] for t, n in SENT.items()}
-            assert statuses == {"roomy": [200] * 6, "tight": [200] * 3 + [429] * 2}
+            assert statuses == {t: [200] * SERVED[t] + [429] * (n - SERVED[t])
+                                for t, n in SENT.items()}
             # the ledger writes every second; the copies are paired as they end
             poll_until(lambda: {t["name"]: t["requests_1h"] for t in _call(
                 url, "/admin/slo/tenants")[1]["tenants"]} == SENT, 60, "the ledger has it all")
             poll_until(lambda: [s["pairs"] for s in _call(url, "/admin/shadow")[1]["shadows"]]
-                       == [9, 9], 30, "every served request paired, on both targets")
+                       == [sum(SERVED.values())] * 2, 30,
+                       "every served request paired, on both targets")
             poll_until(lambda: _call(url, f"/admin/tune-jobs/{job['id']}")[1]["state"]
                        == "succeeded", 120, "the tune job succeeded")
             yield url
@@ -215,3 +232,114 @@ def _expected_points(url: str, job_id: str) -> dict[str, int]:
             "plot-history": len(trials) + best_so_far,
             "plot-pareto": sum(1 for t in trials if t["measures"]
                                and math.isfinite(t["measures"]["p99_ttft_s"]))}
+
+
+# ---- the page's layout at 1400x900, as a person on a laptop sees it ---------------------------
+VIEWPORT = {"width": 1400, "height": 900}
+SECTIONS = ("tenants-section", "detail", "engines-section", "shadows-section", "jobs-section")
+# Where each box is, measured in the page: each table against its card's content box (the card
+# scrolling sideways counts as overflowing), each plot's labels and target line against its box.
+LAYOUT = """() => {
+  const box = (el) => el.getBoundingClientRect();
+  const tables = [...document.querySelectorAll("section table")].map((t) => {
+    const card = t.closest("section"), style = getComputedStyle(card);
+    const lastHeader = [...t.querySelectorAll("thead th")].at(-1);
+    return {id: t.id, right: box(t).right, width: box(t).width, scrollWidth: t.scrollWidth,
+            lastHeaderRight: box(lastHeader).right,
+            cardRight: box(card).right - parseFloat(style.paddingRight),
+            cardScrolls: card.scrollWidth > card.clientWidth};
+  });
+  const plots = [...document.querySelectorAll("section svg")].map((svg) => {
+    const frame = box(svg), text = (sel) => [...svg.querySelectorAll(sel)].map((e) => {
+      const b = box(e); return {text: e.textContent, left: b.left, right: b.right, top: b.top,
+                                bottom: b.bottom};
+    });
+    const target = svg.querySelector("line.target");
+    return {id: svg.id, frame: {left: frame.left, right: frame.right, top: frame.top,
+            bottom: frame.bottom}, xLabel: text(".x-label"), yLabel: text(".y-label"),
+            texts: text("text"), xTicks: text(".x-tick"),
+            target: target && {y: box(target).top, label: text(".target-label")[0]}};
+  });
+  return {tables, plots, pageWidth: document.documentElement.scrollWidth};
+}"""
+
+
+def test_the_page_fits_1400_px_and_reads_at_a_glance(deployment: str, tmp_path: Path) -> None:
+    """No table wider than its card (the jobs table's canary column in sight), no console
+    error (the favicon included), an exhausted budget read as exhausted with its overspend,
+    a burn rate without data read as such, each plot's x axis labelled and every label inside
+    its plot, the 99% target line inside the attainment plot. Screenshots of the page and each
+    section go to tmp_path, and to $FAIRGATE_SCREENSHOTS when set."""
+    url = deployment
+    errors: list[str] = []
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport=VIEWPORT)
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("response", lambda r: errors.append(f"{r.status} {r.url}")
+                    if r.status >= 400 else None)
+            page.goto(f"{url}/dashboard")
+            page.fill("#key", ADMIN_KEY)
+            page.click("button[type=submit]")
+            page.wait_for_selector("body[data-loaded='1']", timeout=30_000)
+            page.click("tr.tenant[data-tenant='tight']")
+            page.wait_for_selector("#plot-requests rect", timeout=10_000)
+            layout = page.evaluate(LAYOUT)
+            cells = {(r.get_attribute("data-tenant"), c.get_attribute("data-field")):
+                     " ".join(c.inner_text().split())
+                     for r in page.query_selector_all("tr.tenant")
+                     for c in r.query_selector_all("td[data-field]")}
+            _screenshots(page, tmp_path / "screenshots")
+        finally:
+            browser.close()
+    assert errors == []
+
+    assert layout["pageWidth"] <= VIEWPORT["width"]  # no sideways scrolling
+    assert [t["id"] for t in layout["tables"]] == ["tenants", "engines", "shadows", "jobs"]
+    for t in layout["tables"]:
+        assert t["scrollWidth"] <= math.ceil(t["width"]) and not t["cardScrolls"], t
+        assert t["right"] <= t["cardRight"] + 0.5 and t["lastHeaderRight"] <= t["cardRight"] \
+            + 0.5, t
+
+    # tight missed 2 of 5 against a 1% budget: spent 40 times over, read as exhausted
+    budgets = {t["name"]: t["budget_left_30d"] for t in _call(url, "/admin/slo/tenants")[1][
+        "tenants"]}
+    spent = (SENT["tight"] - SERVED["tight"]) / (0.01 * SENT["tight"])
+    assert 1 - budgets["tight"] == pytest.approx(spent)
+    assert cells["tight", "budget_left_30d"] == f"exhausted ({spent:.1f}x spent)"
+    assert cells["roomy", "budget_left_30d"] == "100.00%"
+    assert budgets["quiet"] is None
+    assert [cells["quiet", f] for f in ("budget_left_30d", "burn_1h", "burn_6h")] == \
+        ["no data"] * 3
+
+    plots = {plot["id"]: plot for plot in layout["plots"]}
+    assert sorted(plots) == sorted(PLOTS)
+    for plot in plots.values():
+        frame = plot["frame"]
+        assert [t["text"] for t in plot["xLabel"]] != [""] and plot["xLabel"], plot["id"]
+        for text in plot["texts"]:  # no label clipped by its plot's edge
+            assert frame["left"] <= text["left"] and text["right"] <= frame["right"] and \
+                frame["top"] <= text["top"] and text["bottom"] <= frame["bottom"], (plot["id"],
+                                                                                     text)
+        ticks = sorted(plot["xTicks"], key=lambda t: t["left"])
+        assert len(ticks) >= 2 and all(a["right"] < b["left"] for a, b in pairwise(ticks)), \
+            ticks  # at least two times (or trials, or seconds), none over the next
+    target = plots["plot-attainment"]["target"]
+    frame = plots["plot-attainment"]["frame"]
+    # clear of the top edge, with its label above it, inside the plot
+    assert frame["top"] + 10 < target["y"] < frame["bottom"] - 10, (target, frame)
+    assert target["label"]["text"] == "99% target"
+    assert frame["top"] < target["label"]["top"] and target["label"]["bottom"] <= target["y"]
+
+
+def _screenshots(page: Any, folder: Path) -> None:
+    """The whole page and each section, into `folder` and $FAIRGATE_SCREENSHOTS if set."""
+    folder.mkdir(parents=True)
+    page.screenshot(path=str(folder / "dashboard.png"), full_page=True)
+    for section in SECTIONS:
+        page.locator(f"#{section}").screenshot(path=str(folder / f"{section}.png"))
+    assert (folder / "dashboard.png").stat().st_size > 10_000
+    if os.environ.get("FAIRGATE_SCREENSHOTS"):
+        shutil.copytree(folder, os.environ["FAIRGATE_SCREENSHOTS"], dirs_exist_ok=True)
