@@ -56,7 +56,8 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
 
 from protocol.retry import Backoff, retry_async
@@ -281,6 +282,35 @@ def _upsert_rollups(dialect: str, model: Any, column: str, rows: list[Row]) -> A
         set_={name: table.c[name] + stmt.excluded[name] for name in MINUTE_COUNTS})
 
 
+class RowInsert:
+    """The INSERT of usage rows, compiled once for a database: a batch is one executemany of
+    tuples in column order, each value through its type's bind processor as SQLAlchemy would
+    (no statement compiled and no parameter dict built per row, as an ORM bulk insert does).
+    A driver that takes named parameters gets SQLAlchemy's Core executemany instead."""
+
+    def __init__(self, dialect: Dialect) -> None:
+        table = self.table = cast(Table, UsageRow.__table__)
+        self.names = tuple(rule.name for rule in _USAGE_RULES)
+        compiled = insert(table).compile(dialect=dialect, column_keys=list(self.names))
+        positional = compiled.positional and tuple(compiled.positiontup or ()) == self.names
+        self.sql: str | None = compiled.string if positional else None
+        processors = [table.c[name].type.bind_processor(dialect) for name in self.names]
+        self.converted = [(i, p) for i, p in enumerate(processors) if p is not None]
+
+    def values(self, row: Row) -> tuple[Any, ...]:
+        values = [row[name] for name in self.names]
+        for i, process in self.converted:
+            if values[i] is not None:
+                values[i] = process(values[i])
+        return tuple(values)
+
+    async def run(self, connection: AsyncConnection, rows: list[Row]) -> None:
+        if self.sql is None:
+            await connection.execute(insert(self.table), rows)
+        else:
+            await connection.exec_driver_sql(self.sql, [self.values(row) for row in rows])
+
+
 # -- telling a refused row from an unreachable database -----------------------------------------
 
 _OUTAGES = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
@@ -405,6 +435,7 @@ class UsageLedger:
         self._closed = False
         self.retention_s = retention_s  # raw rows older than this are pruned; None: kept
         self._next_prune = 0.0
+        self._insert: RowInsert | None = None  # compiled for the database at the first write
         self.flushed = 0  # records written so far, for metrics and tests
         self.dead_lettered = 0  # records the database refused, set aside
 
@@ -496,9 +527,12 @@ class UsageLedger:
                    (UsageHourRow, "hour", minute_rollups(rows, 3600, "hour")))
         dialect = "postgresql" if self.store.db.is_postgres else "sqlite"
 
+        statement = self._insert_statement()
+
         async def op(s: AsyncSession) -> None:
+            connection = await s.connection()
             for i in range(0, len(rows), _INSERT_CHUNK):
-                await s.execute(insert(UsageRow), rows[i : i + _INSERT_CHUNK])
+                await statement.run(connection, rows[i : i + _INSERT_CHUNK])
             for model, column, sums in rollups:
                 sums.sort(key=lambda m: (m["tenant"], m[column]))  # one lock order for all
                 for i in range(0, len(sums), _MINUTE_CHUNK):
@@ -506,6 +540,11 @@ class UsageLedger:
                                                     sums[i : i + _MINUTE_CHUNK]))
 
         await self.store.db.run(op)
+
+    def _insert_statement(self) -> RowInsert:
+        if self._insert is None:
+            self._insert = RowInsert(self.store.db.engine.dialect)
+        return self._insert
 
     async def prune(self, before: float) -> int:
         """Delete raw usage rows that finished before `before` (epoch seconds); their minute
