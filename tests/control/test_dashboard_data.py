@@ -1,7 +1,7 @@
 """The dashboard in a real browser (playwright driving Debian's chromium) with real data behind
-every part of it: tenants with traffic (one of them turned away), one engine, one shadow target
-with pairs and one whose every copy fails (404: the model it is sent does not exist there), a
-finished tune job.
+every part of it: tenants with traffic (one of them turned away, its error budget overspent; one
+with none), one engine, one shadow target with pairs and one whose every copy fails (404: the
+model it is sent does not exist there), a finished tune job.
 
 Two seams are read from both sides:
 - every table and every plot that has data draws it: each plot's points are counted in the SVG
@@ -11,6 +11,8 @@ Two seams are read from both sides:
   have (so the list of fields is app.js's own, as it runs, not one kept here). A rename on
   either side (app.js read `measures.ttft_p99_s` where the API writes `p99_ttft_s`, and the
   plot stayed empty) fails here with the path of the field.
+
+And its layout at 1400x900, measured in the page, with screenshots to look at.
 """
 
 from __future__ import annotations
@@ -314,11 +316,19 @@ def test_the_page_fits_1400_px_and_reads_at_a_glance(deployment: str, tmp_path: 
     assert [cells["quiet", f] for f in ("budget_left_30d", "burn_1h", "burn_6h")] == \
         ["no data"] * 3
 
-    plots = {plot["id"]: plot for plot in layout["plots"]}
+    _assert_plots_read_plainly({plot["id"]: plot for plot in layout["plots"]})
+
+
+def _assert_plots_read_plainly(plots: dict[str, Any]) -> None:
+    """Each plot's x axis labelled, no label over its edge, its x ticks apart; the target line
+    inside the attainment plot, clear of its top, labelled above the line."""
     assert sorted(plots) == sorted(PLOTS)
     for plot in plots.values():
         frame = plot["frame"]
-        assert [t["text"] for t in plot["xLabel"]] != [""] and plot["xLabel"], plot["id"]
+        [x_label] = plot["xLabel"]
+        assert x_label["text"].strip(), plot["id"]
+        if plot["id"] in ("plot-requests", "plot-attainment"):  # over the clock's minutes
+            assert x_label["text"].startswith("time"), x_label
         for text in plot["texts"]:  # no label clipped by its plot's edge
             assert frame["left"] <= text["left"] and text["right"] <= frame["right"] and \
                 frame["top"] <= text["top"] and text["bottom"] <= frame["bottom"], (plot["id"],
