@@ -6,6 +6,7 @@ No tensors live here: the executor owns the memory, this module owns which block
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from engine.request import Request
 
@@ -38,7 +39,8 @@ class BlockPool:
         blocks = []
         for _ in range(n):
             block, _ = self.free.popitem(last=False)
-            self._uncache(block)
+            if self.block_hash[block] is not None:
+                self._uncache(block)
             assert self.ref_counts[block] == 0, f"free block {block} is in use"
             self.ref_counts[block] = 1
             blocks.append(block)
@@ -152,7 +154,7 @@ class KVCacheManager:
         needed = self._new_blocks_needed(request, num_new_tokens, cached_blocks)
         return max(0, needed - self._available(cached_blocks))
 
-    def exclusive_blocks(self, requests: list[Request]) -> int:
+    def exclusive_blocks(self, requests: Iterable[Request]) -> int:
         """Blocks that freeing these requests would return to the pool (shared prefix blocks
         held by anyone else stay in use)."""
         refs: dict[int, int] = {}
@@ -165,18 +167,17 @@ class KVCacheManager:
                  cached_blocks: list[int] | None = None) -> bool:
         """Make room for `num_new_tokens` more computed tokens, first adopting `cached_blocks`
         (a prefix-cache hit). Returns False, changing nothing, when the blocks do not fit."""
-        if not cached_blocks and (request.num_computed_tokens + num_new_tokens
-                                  <= len(request.block_ids) * self.block_size):
-            return True  # the common decode: room left in the last block
-        cached_blocks = cached_blocks or []
         needed = self._new_blocks_needed(request, num_new_tokens, cached_blocks)
+        if needed <= 0 and not cached_blocks:
+            return True  # the common decode: room left in the last block
         if needed > self._available(cached_blocks):
             return False
         if cached_blocks:
             self.pool.touch(cached_blocks)
             request.block_ids.extend(cached_blocks)
             request.num_computed_tokens = len(cached_blocks) * self.block_size
-        request.block_ids.extend(self.pool.allocate(needed))
+        if needed > 0:
+            request.block_ids.extend(self.pool.allocate(needed))
         return True
 
     def note_admission(self, request: Request, num_cached_blocks: int) -> None:
@@ -192,8 +193,10 @@ class KVCacheManager:
         return self.blocks_needed(computed + num_new_tokens) - len(request.block_ids) - num_cached
 
     def _available(self, cached_blocks: list[int] | None) -> int:
+        if not cached_blocks:
+            return self.pool.num_free
         # Adopting a free cached block takes it off the free queue.
-        revived = sum(1 for b in cached_blocks or () if self.pool.ref_counts[b] == 0)
+        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
         return self.pool.num_free - revived
 
     def commit(self, request: Request) -> None:

@@ -71,7 +71,7 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: the scheduler reads every running request every step
 class Request:
     """One generation. Token accounting is unified: the request always wants to compute
     `num_tokens - num_computed_tokens` tokens; when a step computes the last known token,
@@ -103,7 +103,7 @@ class Request:
     num_tokens: int = field(init=False, default=0)  # prompt + outputs, maintained on append
 
     def __post_init__(self) -> None:
-        # kept as a plain attribute: the scheduler reads it for every request every step
+        # kept as a plain attribute for the same reason
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def append_output(self, token: int, now: float) -> None:
@@ -142,7 +142,9 @@ class Request:
         n = len(self.prompt_token_ids)
         if stop <= n:
             return self.prompt_token_ids[start:stop]
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
 
     def estimated_remaining_work(self) -> int:
         """Tokens of work left: prefill still to compute plus outputs still to generate. The

@@ -54,8 +54,10 @@ class Scheduler:
         self.kv = kv
         self.clock = clock
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = config.resolved_max_model_len
         self.waiting = make_waiting_queue(config, self._cached_prefix_tokens)
         self.running: dict[str, Request] = {}  # admission order
+        self.running_batch: dict[str, Request] = {}  # the running requests of priority batch
         self.swapped: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.live_per_tenant: dict[str, int] = {}
@@ -84,33 +86,38 @@ class Scheduler:
     # ---- planning ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _StepBuilder(self.config.max_num_batched_tokens)
-        self._schedule_running(step)
+        prefills = self._schedule_running(step)
         if not step.plan.preempted:
-            self._schedule_swapped(step)
+            swapped_in = self._schedule_swapped(step)
             # swapped work goes first: only waiting work that outranks all of it may pass
-            self._schedule_waiting(step, outrank=min(
+            self._schedule_waiting(step, prefills + swapped_in, outrank=min(
                 (r.priority_rank for r in self.swapped.values()), default=len(PRIORITIES)))
         return step.plan
 
-    def _schedule_running(self, step: _StepBuilder) -> None:
-        decodes: list[Request] = []
+    def _schedule_running(self, step: _StepBuilder) -> list[Request]:
+        """Schedule the running decodes, then the running prefills' next chunks, each in
+        admission order. Returns the running prefills."""
         prefills: list[Request] = []
-        for request in self.running.values():
-            (prefills if request.num_tokens - request.num_computed_tokens > 1 else decodes).append(
-                request)
         block_size = self.kv.block_size
-        for request in decodes + prefills:
+        # Every decode fits the token budget (max_num_batched_tokens >= max_num_seqs).
+        for request in list(self.running.values()):  # a copy: preempting removes from running
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step to make room
+            if request.num_tokens - request.num_computed_tokens > 1:
+                prefills.append(request)
+            elif request.num_tokens <= len(request.block_ids) * block_size:
+                step.add_decode(request)  # the common case: room left in its last block
+            elif self._allocate_or_preempt(request, 1, step):
+                step.add(request, 1)
+        for request in prefills:
             if step.budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this step to make room
-            if (request.num_tokens - request.num_computed_tokens == 1
-                    and request.num_tokens <= len(request.block_ids) * block_size):
-                step.add(request, 1)  # the common case: a decode with room in its last block
                 continue
             num_tokens = self._chunk(request, step.budget)
             if self._allocate_or_preempt(request, num_tokens, step):
                 step.add(request, num_tokens)
+        return prefills
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, step: _StepBuilder) -> bool:
         while not self.kv.allocate(request, num_tokens):
@@ -122,12 +129,13 @@ class Scheduler:
 
     def _pick_victim(self, batch_only: bool = False) -> Request:
         """Lowest priority class first, then the latest arrival."""
-        candidates = [r for r in self.running.values()
-                      if not batch_only or r.priority == "batch"]
-        return max(candidates, key=lambda r: (r.priority_rank, r.arrival_time, r.seq))
+        candidates = self.running_batch if batch_only else self.running
+        return max(candidates.values(), key=lambda r: (r.priority_rank, r.arrival_time, r.seq))
 
-    def _schedule_swapped(self, step: _StepBuilder) -> None:
-        # the reverse of the victim order: interactive work first, then the earliest arrival
+    def _schedule_swapped(self, step: _StepBuilder) -> list[Request]:
+        """Swap requests back in, the reverse of the victim order: interactive work first, then
+        the earliest arrival. Returns those swapped in."""
+        swapped_in: list[Request] = []
         for request in sorted(self.swapped.values(),
                               key=lambda r: (r.priority_rank, r.arrival_time, r.seq)):
             if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
@@ -141,11 +149,16 @@ class Scheduler:
             del self.swapped[request.request_id]
             self._start_running(request)
             step.add(request, num_tokens)
+            swapped_in.append(request)
+        return swapped_in
 
-    def _schedule_waiting(self, step: _StepBuilder, outrank: int) -> None:
+    def _schedule_waiting(self, step: _StepBuilder, maybe_partial: list[Request],
+                          outrank: int) -> None:
         """Admit waiting requests in policy order; only those ranked below `outrank` (a
-        priority rank) may pass a request that could not get in."""
-        partial = sum(1 for r in self.running.values() if r.is_prefill and not step.completes(r))
+        priority rank) may pass a request that could not get in. `maybe_partial`: the running
+        requests that may be partial prefills (the others are decodes, never partial)."""
+        partial = sum(1 for r in maybe_partial if r.status is RequestStatus.RUNNING
+                      and r.is_prefill and not step.completes(r))
         # fair: new prefills of tenants far over their share open a step or join one while the
         # step's new prefill tokens stay within this cap, never a step that starts a tenant
         # behind them (it would wait longer for its first token)
@@ -191,8 +204,7 @@ class Scheduler:
             return True
         # Preempt only when the batch work's own blocks can cover the shortfall: otherwise the
         # victims would lose their progress and the request would still not fit.
-        batch = [r for r in self.running.values() if r.priority == "batch"]
-        if self.kv.exclusive_blocks(batch) < self.kv.shortfall(request, num_tokens, cached):
+        if self.kv.exclusive_blocks(self.running_batch.values()) < self.kv.shortfall(request, num_tokens, cached):
             return False
         return self._evict_batch_for(
             request, step, lambda: self.kv.can_allocate(request, num_tokens, cached)
@@ -204,7 +216,7 @@ class Scheduler:
         requests. The victims' blocks go back now, their freed seats at once."""
         if request.priority != "interactive":
             return False
-        while any(r.priority == "batch" for r in self.running.values()):
+        while self.running_batch:
             self._preempt(self._pick_victim(batch_only=True), step)
             if fits():
                 return True
@@ -225,7 +237,7 @@ class Scheduler:
     # ---- preemption ---------------------------------------------------------------------------
     def _preempt(self, request: Request, step: _StepBuilder) -> None:
         step.remove(request)
-        del self.running[request.request_id]
+        self._stop_running(request)
         self.num_preemptions += 1
         request.num_preemptions += 1
         step.plan.preempted.append(request.request_id)
@@ -243,13 +255,20 @@ class Scheduler:
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         self.running[request.request_id] = request
+        if request.priority == "batch":
+            self.running_batch[request.request_id] = request
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock.now()
+
+    def _stop_running(self, request: Request) -> None:
+        del self.running[request.request_id]
+        self.running_batch.pop(request.request_id, None)
 
     # ---- results ------------------------------------------------------------------------------
     def update(self, plan: SchedulerOutput, sampled: dict[str, int]) -> StepResult:
         """Advance every scheduled request by its computed tokens and append sampled tokens."""
         result = StepResult()
+        outputs = result.outputs
         now = self.clock.now()
         block_size = self.kv.block_size
         charge = self.waiting.charge if self.waiting.accounts_service else None
@@ -262,11 +281,13 @@ class Scheduler:
                 self.kv.commit(request)  # a block filled up: publish it to the prefix cache
             if charge is not None:
                 charge(request, scheduled.num_tokens)
-            token = sampled.get(request.request_id) if scheduled.samples else None
+            if not scheduled.samples:
+                continue
+            token = sampled.get(request.request_id)
             if token is None:
                 continue
             request.append_output(token, now)
-            result.outputs[request.request_id] = [token]
+            outputs[request.request_id] = [token]
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
@@ -275,12 +296,12 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params
-        if request.num_output_tokens >= params.min_tokens and (
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= params.min_tokens and (
                 token in params.stop_token_ids
                 or (not params.ignore_eos and token in self.eos_token_ids)):
             return FinishReason.STOP
-        if (request.num_output_tokens >= params.max_tokens
-                or request.num_tokens >= self.config.resolved_max_model_len):
+        if num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -292,7 +313,7 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
-            del self.running[request.request_id]
+            self._stop_running(request)
         elif request.status is RequestStatus.SWAPPED:
             del self.swapped[request.request_id]
         elif request in self.waiting:
@@ -314,6 +335,8 @@ class Scheduler:
         used = {b for b, c in enumerate(self.kv.pool.ref_counts) if c > 0}
         assert held == used, f"leaked blocks: {sorted(used - held)[:10]}"
         assert len(self.running) <= self.config.max_num_seqs
+        assert self.running_batch == {
+            i: r for i, r in self.running.items() if r.priority == "batch"}, "running_batch stale"
         assert len(self.running) + len(self.swapped) + len(self.waiting) == len(self.requests)
 
 
@@ -340,6 +363,15 @@ class _StepBuilder:
         self._index[request.request_id] = scheduled
         self.budget -= num_tokens
         self.plan.num_batched_tokens += num_tokens
+
+    def add_decode(self, request: Request) -> None:
+        """add(request, 1) for a request with one token to compute (it samples)."""
+        assert self.budget > 0
+        scheduled = ScheduledRequest(request, request.num_computed_tokens, 1, True)
+        self.plan.requests.append(scheduled)
+        self._index[request.request_id] = scheduled
+        self.budget -= 1
+        self.plan.num_batched_tokens += 1
 
     def completes(self, request: Request) -> bool:
         """Scheduled this step through its last known token."""
