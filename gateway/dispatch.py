@@ -82,7 +82,8 @@ class Dispatcher:
         item.payload = future
         self.queue.push(item, bounds)
         self.pump()
-        self._gauge(item)
+        if not future.done():  # dispatched: pump set its class's depth after taking it
+            self._gauge(item)
         return future
 
     def pump(self) -> None:
@@ -113,21 +114,19 @@ class Dispatcher:
         the headroom). In a pool of several models, the next request whose model has a backend
         with room, and that one (headroom is not kept there)."""
         gate, patient = self._gate()
-        if len(self.pool.model_names()) > 1:
+        if self.pool.several_models():
             return self._next_by_model(gate, patient)
-        backend = self.pool.pick()
+        keeps_headroom = self.queue.policy != "fcfs" and self.pool.headroom > 0
+        # room outside the headroom is room (the stricter pick first: one pick, usually)
+        shared = self.pool.pick(keep_headroom=True) if keeps_headroom else None
+        backend = shared or self.pool.pick()
         if backend is None:
             self._held_since = None  # no room: nothing is being held
             return None
-        if self.queue.policy == "fcfs" or self.pool.headroom <= 0:
+        if shared is not None or not keeps_headroom:
             item = self.queue.pop(gate)
             self._held(gate, item, patient)
-            return None if item is None else (item, backend, False)
-        shared = self.pool.pick(keep_headroom=True)
-        if shared is not None:
-            item = self.queue.pop(gate)
-            self._held(gate, item, patient)
-            return None if item is None else (item, shared, True)
+            return None if item is None else (item, backend, keeps_headroom)
         room, weight = self.pool.capacity(), self.queue.active_weight()
         item = self.queue.pop(lambda tq, _: self.queue.under_share(tq, room, weight))
         return None if item is None else (item, backend, False)
@@ -217,7 +216,7 @@ class Dispatcher:
 
     def _gauge(self, item: QueuedRequest) -> None:
         depth = self.queue.depth_by_class(item.tenant)[item.priority]
-        self.metrics.queue_depth.labels(item.tenant, item.priority).set(depth)
+        self.metrics.set_gauge("queue_depth", depth, item.tenant, item.priority)
 
 
 async def tick(dispatcher: Dispatcher, interval: float) -> None:

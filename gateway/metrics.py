@@ -88,6 +88,7 @@ class GatewayMetrics:
         self.outliers = BackendOutliers()  # ejected replicas (gateway/outlier.py)
         r.register(self.outliers)
         self._children: dict[tuple[str, ...], Any] = {}
+        self._gauge_values: dict[tuple[str, ...], float] = {}  # what set_gauge set last
         self._slo_counts: dict[tuple[str, str], list[int]] = {}
         self._read = _ReadAtScrape()
         r.register(self._read)
@@ -117,6 +118,14 @@ class GatewayMetrics:
         if found is None:
             found = self._children[key] = getattr(self, metric).labels(*labels)
         return found
+
+    def set_gauge(self, metric: str, value: float, *labels: str) -> None:
+        """The labelled child of gauge `metric` set to `value`, skipped when it holds it already
+        (a queue depth stays 0 request after request on a gateway with room)."""
+        key = (metric, *labels)
+        if self._gauge_values.get(key) != value:
+            self._gauge_values[key] = value
+            self.child(metric, *labels).set(value)
 
     def observe_stream(self, tenant: str, timing: RequestTiming, slo: SLO) -> None:
         """One streamed request: its TTFT, TPOT and ITL gaps when it succeeded (as the engine's and the

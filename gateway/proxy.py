@@ -34,8 +34,11 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     if length is not None and length > settings.max_body_bytes:
         raise _too_large(settings.max_body_bytes)
     try:
-        async with asyncio.timeout(settings.client_timeout_s):
+        if request.content.is_eof():  # the whole body came with the head: no wait to bound
             raw = await request.read()
+        else:
+            async with asyncio.timeout(settings.client_timeout_s):
+                raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(settings.max_body_bytes) from None
     except TimeoutError:

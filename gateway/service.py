@@ -80,6 +80,10 @@ class Admission:
 
     async def wait(self, future: asyncio.Future[Backend], timeout: float) -> Backend:
         """The backend this request was dispatched to; a queue timeout is a 503 saying so."""
+        if future.done() and not future.cancelled():  # dispatched as it was admitted
+            self.backend = future.result()
+            self.dispatched_at = time.perf_counter()
+            return self.backend
         try:
             async with asyncio.timeout(timeout):
                 self.backend = await future
@@ -205,6 +209,8 @@ class Gateway:
         names = self.pool.model_names()
         if req.model is None or req.model == "default":
             req.model = names[0] if names else "default"
+        elif req.model in names:
+            pass  # a served id (resolve_model's first answer), the usual case
         elif (model := self.pool.resolve_model(req.model)) is not None:
             req.model = model  # an alias (a served model's path): the id it stands for
         else:

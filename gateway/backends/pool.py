@@ -186,7 +186,14 @@ class BackendPool:
     def max_model_len(self) -> int:
         return min(b.max_model_len for b in self.backends)
 
+    def several_models(self) -> bool:
+        """Whether the backends serve more than one model (dispatch then goes by model)."""
+        return len(self.backends) > 1 and len(self.model_names()) > 1
+
     def model_names(self) -> list[str]:
+        if len(self.backends) == 1:  # the usual pool: asked on every request
+            name = getattr(self.backends[0], "model_name", "")
+            return [name] if name else []
         names = (getattr(b, "model_name", "") for b in self.backends)  # test doubles may lack it
         return list(dict.fromkeys(n for n in names if n))
 
@@ -254,6 +261,8 @@ class BackendPool:
         outstanding tokens (queued and running work) per seat, then the fewest requests in
         flight for its room."""
         free = [b for b in self._eligible(model, exclude) if self._free(b, keep_headroom)]
+        if len(free) == 1:  # the usual pool of one: nothing to compare
+            return free[0]
         return min(free, key=_load, default=None)
 
     def fallback(self, exclude: Backend, model: str | None) -> Backend | None:
