@@ -7,6 +7,8 @@ guidellm's backend check (`OpenAIHTTPBackend`, what `guidellm run` does first, i
 given, `default_model()` sends `GET {target}/v1/models` with the same header and takes
 `data[0]["id"]`. A tiny `guidellm run` (2 synchronous streaming chat completions of synthetic
 text) then checks the whole path, its tokenizer loaded from a local folder with the hub off.
+Last, `guidellm run` with no model or tokenizer flag against a real `fairgate serve` (a tiny
+Llama checkpoint on the torch executor): the id in /v1/models is all it needs.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +38,10 @@ from guidellm.schemas.backends import OpenAIHTTPBackendArgs  # noqa: E402
 
 from gateway.app import make_app  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
+from tests.engine.ckpt import build_checkpoint  # noqa: E402
 from tests.gateway.helpers import SIM_ENGINE, ServerThread, create_tenants  # noqa: E402
-from tests.support.processes import fairgate_engine  # noqa: E402
+from tests.support.processes import fairgate_engine, fairgate_process, free_port  # noqa: E402
+from tests.support.waiting import poll_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -68,13 +75,11 @@ def server(request: pytest.FixtureRequest) -> tuple[str, str | None]:
     return url, key
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A local Hugging Face tokenizer folder (byte-level, no merges: every text round-trips)
-    that `AutoTokenizer.from_pretrained(folder)` loads with the hub off."""
+def save_byte_level_tokenizer(folder: Path) -> int:
+    """A Hugging Face tokenizer in `folder` (byte-level, no merges: every text round-trips)
+    that `AutoTokenizer.from_pretrained(folder)` loads with the hub off: its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    folder = tmp_path_factory.mktemp("guidellm-tokenizer")
     vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     vocab["<|endoftext|>"] = len(vocab)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -84,6 +89,13 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
         "model_max_length": 100000}))
+    return len(vocab)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("guidellm-tokenizer")
+    save_byte_level_tokenizer(folder)
     return folder
 
 
@@ -150,3 +162,109 @@ def test_tiny_guidellm_run_offline(server: tuple[str, str | None], tokenizer_dir
         assert stats["output"], stats  # streamed text came back
         body = json.loads(stats["request_args"])["body"]
         assert body["model"] == served_model(target, key)
+
+
+# ---- `guidellm run` with no model or tokenizer flag, against `fairgate serve` ------------------
+# With no --tokenizer, guidellm's `resolve_tokenizer` takes the model id /v1/models answers, and
+# its synthetic data loads `AutoTokenizer.from_pretrained(model id)`. Two ids a user has resolve
+# offline: a Hugging Face name served with `served_model_name`, the checkpoint where
+# `huggingface-cli download` leaves it (the hub cache, found by HF_HOME); and, with no name
+# served, the checkpoint folder's path.
+
+HF_NAME = "fairgate-test/tiny-llama"
+REVISION = "0123456789abcdef0123456789abcdef01234567"  # refs/main: the snapshot of the name
+GUIDELLM = (shutil.which("guidellm", path=str(Path(sys.executable).parent))
+            or shutil.which("guidellm"))
+
+
+@dataclass(frozen=True)
+class Served:
+    """How `fairgate serve` serves the checkpoint and where guidellm looks for its tokenizer."""
+
+    served_model_name: str | None  # engine.served_model_name (None: the model path is the id)
+    model_id: str  # the id in /v1/models, which guidellm loads its tokenizer by
+    hf_home: Path  # guidellm's HF_HOME
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(HF_HOME, snapshot folder): a tiny Llama and its byte-level tokenizer, laid out as
+    `huggingface-cli download fairgate-test/tiny-llama` leaves them in the hub cache."""
+    hf_home = tmp_path_factory.mktemp("guidellm-hf-home")
+    repo = hf_home / "hub" / f"models--{HF_NAME.replace('/', '--')}"
+    snapshot = repo / "snapshots" / REVISION
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    vocab_size = 257  # the byte-level tokenizer's 256 bytes and its end-of-text token
+    build_checkpoint(snapshot, vocab_size=vocab_size, bos_token_id=None,
+                     eos_token_id=vocab_size - 1, pad_token_id=None)
+    assert save_byte_level_tokenizer(snapshot) == vocab_size  # over build_checkpoint's own
+    return hf_home, snapshot
+
+
+@pytest.fixture(params=["hugging-face-name", "checkpoint-path"])
+def served(request: pytest.FixtureRequest, hub_cache: tuple[Path, Path],
+           tmp_path: Path) -> Served:
+    hf_home, snapshot = hub_cache
+    if request.param == "hugging-face-name":
+        return Served(HF_NAME, HF_NAME, hf_home)
+    empty_home = tmp_path / "empty-hf-home"  # the path alone must find the tokenizer
+    empty_home.mkdir()
+    return Served(None, str(snapshot), empty_home)
+
+
+@pytest.fixture
+def fairgate_serve(served: Served, hub_cache: tuple[Path, Path],
+                   tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """(url, tenant key) of a real `fairgate serve` process, its embedded engine running the
+    checkpoint on the torch executor under `served`'s name."""
+    db = f"sqlite:///{tmp_path / 'fairgate.db'}"
+    key = asyncio.run(create_tenants(db, {"acme": {}}))["acme"]
+    engine: dict[str, Any] = {"model": str(hub_cache[1]), "max_model_len": 512,
+                              "num_kv_blocks": 256}
+    if served.served_model_name is not None:
+        engine["served_model_name"] = served.served_model_name
+    port = free_port()
+    config = tmp_path / "fairgate.yaml"
+    config.write_text(json.dumps({
+        "database": db, "engine": engine,
+        "gateway": {"port": port, "metrics_port": None, "demo_tenant": False,
+                    "admin_key": "admin-key-0123456789"}}))
+    with fairgate_process("serve", "-c", str(config), ready=b"fairgate gateway on",
+                          timeout=120, sig=signal.SIGTERM):
+        url = f"http://127.0.0.1:{port}"
+        poll_until(lambda: served_model(url, key), 60, "the gateway answers /v1/models")
+        yield url, key
+
+
+@pytest.mark.skipif(GUIDELLM is None, reason="no guidellm executable in this virtual "
+                    "environment or on PATH (pip install guidellm)")
+def test_guidellm_run_against_fairgate_serve_needs_no_model_flags(
+        served: Served, fairgate_serve: tuple[str, str], tmp_path: Path) -> None:
+    url, key = fairgate_serve
+    assert served_model(url, key) == served.model_id
+    env = {**os.environ, **OFFLINE, "HF_HOME": str(served.hf_home),
+           "COLUMNS": "1000"}  # rich would fold a long model id over lines
+    proc = subprocess.run(
+        [str(GUIDELLM), "run", "--backend", f"kind=openai_http,target={url},api_key={key}",
+         "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=4",
+         "--data", "kind=synthetic_text,prompt_tokens=64,output_tokens=16"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    assert f"using model '{served.model_id}' as tokenizer" in proc.stdout, log
+    report = json.loads((tmp_path / "benchmarks.json").read_text())
+    (benchmark,) = report["benchmarks"]
+    given = report["config"]["spec"]  # the run's arguments: no model, no tokenizer
+    assert (given["backend"]["model"], given["tokenizer"]["model"]) == ("", None), given
+    state = benchmark["scheduler_state"]
+    errors = [r["info"]["error"] for r in benchmark["requests"]["errored"] or []]
+    assert (state["successful_requests"], state["errored_requests"]) == (4, 0), (errors, log)
+    successful = benchmark["requests"]["successful"]
+    assert len(successful) == 4
+    for stats in successful:
+        assert json.loads(stats["request_args"])["body"]["model"] == served.model_id
+        # the usage fairgate streamed back: the prompt as the server's tokenizer counts it
+        # (the 64 synthetic tokens and the chat template's), and every token asked for
+        assert stats["prompt_tokens"] >= 64 and stats["output_tokens"] == 16, stats
