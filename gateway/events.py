@@ -20,13 +20,11 @@ from protocol.measures import SLO, RequestTiming
 from protocol.openai import OpenAIRequest
 
 
-@dataclass(frozen=True, slots=True)
-class RequestAdmitted:
-    """Charged and queued, not yet dispatched."""
+class _AboutAJob:
+    """What an event about one job reads from it."""
 
-    job: Job  # what goes to the backend: its id, the request, tenant, priority, sampling
-    slo: SLO  # the tenant's targets
-    arrival: float  # perf_counter, when the gateway admitted it
+    __slots__ = ()
+    job: Job
 
     @property
     def request_id(self) -> str:
@@ -50,6 +48,15 @@ class RequestAdmitted:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestAdmitted(_AboutAJob):
+    """Charged and queued, not yet dispatched."""
+
+    job: Job  # what goes to the backend: its id, the request, tenant, priority, sampling
+    slo: SLO  # the tenant's targets
+    arrival: float  # perf_counter, when the gateway admitted it
+
+
+@dataclass(frozen=True, slots=True)
 class FirstToken:
     """A stream's first token-bearing chunk was written to the client."""
 
@@ -65,7 +72,7 @@ class FirstToken:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestFinished:
+class RequestFinished(_AboutAJob):
     """Settled: the request's end, exactly once for every admitted request."""
 
     job: Job
@@ -75,26 +82,6 @@ class RequestFinished:
     timing: RequestTiming  # as the gateway saw it, from `arrival` to its end
     prompt_tokens: int
     completion_tokens: int
-
-    @property
-    def request_id(self) -> str:
-        return self.job.request_id
-
-    @property
-    def tenant(self) -> str:
-        return self.job.tenant
-
-    @property
-    def priority(self) -> str:
-        return self.job.priority
-
-    @property
-    def model(self) -> str:
-        return self.job.req.model or ""
-
-    @property
-    def request(self) -> OpenAIRequest:
-        return self.job.req
 
     @property
     def arrival(self) -> float:

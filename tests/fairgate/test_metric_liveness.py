@@ -9,17 +9,14 @@ registries hold, not a list kept here."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gateway.helpers import Harness, collect, completion, start_gateway
+from tests.gateway.helpers import Harness, completion, start_gateway, streamed_traffic
 from tests.support.processes import fairgate_engine_processes
 from tests.support.waiting import wait_for, wait_until
 
@@ -48,26 +45,6 @@ def families(text: str) -> dict[str, int]:
 def _scrape(url: str) -> str:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         return str(resp.read().decode())
-
-
-@contextlib.asynccontextmanager
-async def _traffic(h: Harness, streams: int) -> AsyncIterator[list[int]]:
-    """`streams` clients of acme sending streamed requests back to back until the block ends."""
-    statuses: list[int] = []
-    stop = asyncio.Event()
-
-    async def client(i: int) -> None:
-        while not stop.is_set():
-            resp = await h.post("acme", completion(f"client {i}", max_tokens=8, stream=True))
-            [_ async for _ in collect(resp)]
-            statuses.append(resp.status)
-
-    tasks = [asyncio.create_task(client(i)) for i in range(streams)]
-    try:
-        yield statuses
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks)
 
 
 async def _job_state(h: Harness, job_id: str) -> dict[str, Any]:
@@ -114,7 +91,7 @@ async def test_every_declared_metric_has_a_sample_after_the_standard_scenario(
             "backends": [{"url": live}], "shadow": [{"name": "cand", "url": shadow}],
             "jobs": {"dir": str(tmp_path / "jobs")}})
         job = await _tune(h)
-        async with _traffic(h, streams=3) as statuses:
+        async with streamed_traffic(h, streams=3) as statuses:
             applied = await _apply(h, job, live)
         assert applied["state"] in ("promoted", "rolled_back"), applied["steps"]
         assert statuses and set(statuses) == {200}

@@ -4,6 +4,7 @@ hand-controlled backend, and a gateway served from a thread for synchronous clie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -219,3 +220,25 @@ async def leave_an_apply_mid_canary(db_url: str, folder: str, url: str) -> None:
             "previous": {url: {"max_num_seqs": 4}}, "switched": [url], "steps": []})
     finally:
         await store.close()
+
+
+@contextlib.asynccontextmanager
+async def streamed_traffic(h: Harness, streams: int,
+                           tenant: str = "acme") -> AsyncIterator[list[int]]:
+    """`streams` clients of `tenant` sending streamed requests back to back until the block
+    ends; yields the statuses they got, as they get them."""
+    statuses: list[int] = []
+    stop = asyncio.Event()
+
+    async def client(i: int) -> None:
+        while not stop.is_set():
+            resp = await h.post(tenant, completion(f"client {i}", max_tokens=8, stream=True))
+            [_ async for _ in collect(resp)]
+            statuses.append(resp.status)
+
+    tasks = [asyncio.create_task(client(i)) for i in range(streams)]
+    try:
+        yield statuses
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
