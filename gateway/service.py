@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from engine.openai_api import sampling_params
 from gateway.admission import (
@@ -114,10 +114,11 @@ class Admission:
         if self.first_token_published or not times or self.backend is None:
             return
         self.first_token_published = True
-        event = FirstToken(self.job.request_id, self.tenant.name, self.backend.name,
-                           self.arrival, times[0])
-        for observer in self.gateway.observers:
-            self.gateway.notify(observer.first_token, event)
+        if handlers := self.gateway.on_first_token:
+            event = FirstToken(self.job.request_id, self.tenant.name, self.backend.name,
+                               self.arrival, times[0])
+            for handler in handlers:
+                self.gateway.notify(handler, event)
 
 
 class Gateway:
@@ -125,6 +126,10 @@ class Gateway:
                  metrics: GatewayMetrics, limiter: Limiter | None = None) -> None:
         self.config = config
         self.observers: list[RequestObserver] = []  # gateway/events.py: the layers above
+        # each event's handlers: the observers' methods that do something (_subscribe)
+        self.on_admitted: tuple[Callable[[RequestAdmitted], None], ...] = ()
+        self.on_first_token: tuple[Callable[[FirstToken], None], ...] = ()
+        self.on_finished: tuple[Callable[[RequestFinished], None], ...] = ()
         self.observer_errors = 0  # observers that raised (logged; the request went on)
         self.pool = pool
         self.ledger = ledger
@@ -165,17 +170,30 @@ class Gateway:
             self.limiter.refund(charge)
             self.metrics.child("rejections", tenant.name, exc.reason).inc()
             raise ApiError(429, str(exc), code=exc.reason, retry_after=exc.retry_after) from None
-        admitted = RequestAdmitted(job, tenant.slo, adm.arrival)
-        for observer in self.observers:
-            self.notify(observer.admitted, admitted)
+        if self.on_admitted:
+            admitted = RequestAdmitted(job, tenant.slo, adm.arrival)
+            for handler in self.on_admitted:
+                self.notify(handler, admitted)
         return adm, future
 
     # ---- request events (gateway/events.py) ---------------------------------------------------
     def add_observer(self, observer: RequestObserver) -> None:
         self.observers = [*self.observers, observer]  # copied: one may be added mid-publish
+        self._subscribe()
 
     def remove_observer(self, observer: RequestObserver) -> None:
         self.observers = [o for o in self.observers if o is not observer]
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        """Each event's handlers, in the observers' order: a method left as RequestObserver's
+        no-op is not called, and no event is built for an event nobody handles."""
+        def handlers(name: str) -> tuple[Any, ...]:
+            return tuple(getattr(o, name) for o in self.observers
+                         if getattr(type(o), name) is not getattr(RequestObserver, name))
+        self.on_admitted = handlers("admitted")
+        self.on_first_token = handlers("first_token")
+        self.on_finished = handlers("finished")
 
     def notify(self, method: Callable[[Event], None], event: Event) -> None:
         """One observer's `method` with `event`: one that raises is logged and counted, never
@@ -292,11 +310,12 @@ class Gateway:
             if status == 200 and out.finish_reason is not None:
                 self.estimator.observe(adm.tenant.name, out.completion_tokens)
         timing = adm.timing(status)
-        finished = RequestFinished(adm.job, adm.tenant.slo, status,
-                                   adm.backend.name if adm.backend else None, timing,
-                                   out.prompt_tokens, out.completion_tokens)
-        for observer in self.observers:
-            self.notify(observer.finished, finished)
+        if self.on_finished:
+            finished = RequestFinished(adm.job, adm.tenant.slo, status,
+                                       adm.backend.name if adm.backend else None, timing,
+                                       out.prompt_tokens, out.completion_tokens)
+            for handler in self.on_finished:
+                self.notify(handler, finished)
         self._observe(adm, status, ran, timing)
         self._record(adm, status, timing)
 

@@ -260,9 +260,12 @@ class RemoteBackend:
         return ApiError(504, f"engine backend {self.name} timed out: {exc}",
                         code="backend_timeout")
 
-    def _broken(self, exc: UpstreamError) -> BackendFailed:
+    def _broken(self, exc: UpstreamError) -> ApiError | BackendFailed:
         """A response cut off after it started: this request failed, the backend may be fine
-        (the next poll says); other requests are not turned away for it."""
+        (the next poll says); other requests are not turned away for it. One that stopped
+        answering is `_timed_out`."""
+        if isinstance(exc, UpstreamTimeout):
+            return self._timed_out(exc)
         return BackendFailed(f"engine backend {self.name} failed mid-response: {exc}",
                                   self.retry_after)
 
@@ -314,8 +317,6 @@ class RemoteBackend:
                     streaming = True
                 if out:
                     yield out
-        except UpstreamTimeout as exc:
-            raise self._timed_out(exc) from None
         except UpstreamError as exc:
             raise self._broken(exc) from None
         finally:
@@ -330,8 +331,6 @@ class RemoteBackend:
         try:
             resp.watch_stalls(self.stall_timeout)
             raw = await resp.read()
-        except UpstreamTimeout as exc:
-            raise self._timed_out(exc) from None
         except UpstreamError as exc:
             raise self._broken(exc) from None
         finally:
