@@ -68,12 +68,10 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
-
 from gateway.events import RequestFinished, RequestObserver
 from protocol.measures import SLO, RequestTiming, attainment
 from protocol.serving import wait_event
-from protocol.stats import bootstrap_interval, percentile, percentile_of_sorted
+from protocol.stats import percentile, percentile_of_sorted, share_difference_interval
 
 log = logging.getLogger("fairgate.gateway")
 MAX_SERVED = 200_000  # live requests kept for canary windows (a few minutes at high rate)
@@ -308,12 +306,8 @@ def _difference(a: Sequence[bool], b: Sequence[bool], seed: int) -> dict[str, An
     interval, each side resampled on its own."""
     if not len(a) or not len(b):
         return {"difference": None, "ci95": [None, None]}
-    low, high = bootstrap_interval(_share_difference, a, b, resamples=RESAMPLES, seed=seed)
+    low, high = share_difference_interval(a, b, resamples=RESAMPLES, seed=seed)
     return {"difference": sum(a) / len(a) - sum(b) / len(b), "ci95": [low, high]}
-
-
-def _share_difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return a.mean(axis=1) - b.mean(axis=1)
 
 
 def _share(canary: int, baseline: int, expected: float) -> dict[str, Any]:

@@ -149,10 +149,37 @@ def bootstrap_interval(statistic: Callable[..., np.ndarray],
         else:
             rows = [a[rng.integers(0, len(a), size=(count, len(a)))] for a in arrays]
         draws.append(np.asarray(statistic(*rows), dtype=float).reshape(count))
-    ordered = np.sort(np.concatenate(draws))
+    return _percentile_ends(np.concatenate(draws), confidence)
+
+
+def share_difference_interval(a: Sequence[bool], b: Sequence[bool], *, resamples: int = 1000,
+                              confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """`bootstrap_interval` of a's share of True minus b's, each resampled on its own, drawn
+    as binomial counts: a resample's count of True is exactly Binomial(n, share), so this is
+    the same bootstrap at a cost that does not grow with the samples (a canary judges windows
+    of up to 200,000 requests). NaN, NaN when a sample is empty."""
+    import numpy as np
+
+    _check_confidence(confidence)
+    if resamples < 1:
+        raise ValueError(f"resamples ({resamples}) must be at least 1")
+    if not len(a) or not len(b):
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    shares = [rng.binomial(len(x), sum(map(bool, x)) / len(x), resamples) / len(x)
+              for x in (a, b)]
+    return _percentile_ends(shares[0] - shares[1], confidence)
+
+
+def _percentile_ends(draws: np.ndarray, confidence: float) -> tuple[float, float]:
+    """The percentile interval of bootstrap draws: their (1 -/+ confidence) / 2 percentiles
+    (`percentile`'s rule)."""
+    import numpy as np
+
+    ordered = np.sort(draws)
     tail = (1 - confidence) / 2 * 100
-    return (float(ordered[nearest_rank(resamples, tail) - 1]),
-            float(ordered[nearest_rank(resamples, 100 - tail) - 1]))
+    return (float(ordered[nearest_rank(len(ordered), tail) - 1]),
+            float(ordered[nearest_rank(len(ordered), 100 - tail) - 1]))
 
 
 def _check_confidence(confidence: float) -> None:

@@ -216,3 +216,21 @@ def test_admission_estimates_the_p90_output_length_by_the_same_rule(lengths: lis
         estimator.observe("t", n)
     if len(lengths) < 32 or len(lengths) % 16 == 0:  # it re-ranks now and then
         assert estimator.estimate("t") == percentile(lengths, 90)
+
+
+def test_the_share_difference_interval_is_the_bootstrap_of_the_shares() -> None:
+    """The binomial draws are the bootstrap of 0/1 samples: the same interval as resampling
+    every value, within the draws' own noise, deterministic, NaN for an empty side."""
+    import numpy as np
+
+    from protocol.stats import share_difference_interval
+
+    rng = np.random.default_rng(7)
+    a, b = list(rng.random(3000) < 0.9), list(rng.random(5000) < 0.8)
+    fast = share_difference_interval(a, b, resamples=4000, seed=1)
+    full = bootstrap_interval(lambda x, y: x.mean(axis=1) - y.mean(axis=1), a, b,
+                              resamples=4000, seed=1)
+    assert fast == share_difference_interval(a, b, resamples=4000, seed=1)
+    assert fast[0] < 0.1 < fast[1]
+    assert abs(fast[0] - full[0]) < 0.005 and abs(fast[1] - full[1]) < 0.005
+    assert all(math.isnan(v) for v in share_difference_interval([], b))
