@@ -21,7 +21,7 @@ from control.jobs import JobManager
 from control.openapi import PARTS
 from control.shadow import ShadowSet
 from control.shadow_metrics import ShadowMetrics
-from control.state import CAPTURE, JOBS, SERVED, SHADOWS
+from control.state import CAPTURE, JOBS, SHADOWS
 from engine.config import EngineConfig
 from gateway import app as serving
 from gateway.backends import Backend
@@ -53,7 +53,7 @@ def attach(app: web.Application, database: str) -> None:
                       None if capture is None else capture.window)
     jobs.pool = gw.pool  # an apply's replicas
     jobs.shadows = shadows  # a shadow job's engine keys
-    app[SHADOWS], app[CAPTURE], app[JOBS], app[SERVED] = shadows, capture, jobs, jobs.served
+    app[SHADOWS], app[CAPTURE], app[JOBS] = shadows, capture, jobs
     gw.add_observer(shadows)
     gw.add_observer(jobs.served)
     if capture is not None:

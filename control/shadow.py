@@ -377,10 +377,12 @@ class ShadowSet(RequestObserver):
             mirror.live_done(request_id, timing)
 
     def admitted(self, event: RequestAdmitted) -> None:
-        self.offer(event.job, event.slo)  # a copy may go to each target (never waited on)
+        if self.mirrors:  # targets come and go at run time (PUT /admin/shadow)
+            self.offer(event.job, event.slo)  # a copy may go to each target (never waited on)
 
     def finished(self, event: RequestFinished) -> None:
-        self.live_done(event.request_id, event.timing)
+        if self.mirrors:
+            self.live_done(event.request_id, event.timing)
 
     async def start(self) -> None:
         self.running = True

@@ -215,7 +215,7 @@ class Dispatcher:
         self.metrics.child("inflight", backend.name).set(backend.inflight)
 
     def _gauge(self, item: QueuedRequest) -> None:
-        depth = self.queue.depth_by_class(item.tenant)[item.priority]
+        depth = self.queue.class_depth(item.tenant, item.priority)
         self.metrics.set_gauge("queue_depth", depth, item.tenant, item.priority)
 
 

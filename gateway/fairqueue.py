@@ -437,9 +437,10 @@ class FairQueue:
         tq = self.tenants.get(tenant)
         return (tq.queued_requests, tq.queued_tokens) if tq else (0, 0)
 
-    def depth_by_class(self, tenant: str) -> dict[str, int]:
+    def class_depth(self, tenant: str, priority: str) -> int:
+        """How many of `tenant`'s requests of class `priority` are queued."""
         tq = self.tenants.get(tenant)
-        return {c: len(tq.queues[c]) if tq else 0 for c in CLASSES}
+        return len(tq.queues[priority]) if tq else 0
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {name: {"queued_requests": tq.queued_requests, "queued_tokens": tq.queued_tokens,

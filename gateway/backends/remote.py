@@ -206,7 +206,7 @@ class RemoteBackend:
     async def _discover_model(self) -> None:
         data = await self._get_json("/v1/models")
         models = data.get("data") or []
-        ids = [str(m["id"]) for m in models]
+        ids = [str(m["id"]) for m in models if isinstance(m, dict) and "id" in m]
         self.model_name = ids[0] if ids else "default"
         # its other served names, and the model each card is of (`root`, vLLM's field)
         roots = [str(m["root"]) for m in models if isinstance(m, dict) and m.get("root")]

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from gateway.backends.base import Job, Outcome
+from protocol.errors import ApiError
 from protocol.sse import DONE, PLAIN_TOKEN, StreamChunk, encode_event, read_chunk, sse_json
 
 _USAGE_KEY = b'"usage"'
@@ -40,6 +42,15 @@ def pass_event(data: bytes, job: Job, outcome: Outcome) -> bytes:
     body = chunk.body
     if body is None:  # JSON, not an object
         return b""
+    try:
+        return _pass_object(data, body, chunk, asked, outcome)
+    except (AttributeError, TypeError, ValueError):  # choices or usage of the wrong shape
+        raise ApiError(502, "the engine backend sent a stream event this gateway cannot read "
+                       "(its choices or usage are malformed)", code="bad_gateway") from None
+
+
+def _pass_object(data: bytes, body: dict[str, Any], chunk: StreamChunk, asked: bool,
+                 outcome: Outcome) -> bytes:
     usage = chunk.usage
     if usage:
         outcome.prompt_tokens = int(usage.get("prompt_tokens", outcome.prompt_tokens))
