@@ -237,6 +237,8 @@ def _served_names(value: object) -> tuple[str, ...]:
             or not all(isinstance(n, str) and n.strip() == n and n for n in names)):
         raise ValueError("served_model_name must be a name or a list of names (non-empty, "
                          f"without surrounding spaces), got {value!r}")
+    if len(set(names)) < len(names):
+        raise ValueError(f"served_model_name lists a name twice: {value!r}")
     return tuple(names)
 
 

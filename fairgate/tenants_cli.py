@@ -20,7 +20,6 @@ from tenants.yaml_io import (
     import_specs,
     parse_yaml,
     read_source,
-    tenant_to_dict,
 )
 
 # option -> (field, kind, help); parsed in run() so a bad value is one error line, not argparse
@@ -169,11 +168,10 @@ _SLO_COLUMNS = {"TTFT_P99": "slo_ttft_p99_s", "TPOT_P99": "slo_tpot_p99_s",
 
 
 def listed_tenant_json(info: TenantInfo, active_keys: int) -> dict[str, Any]:
-    """A tenant as `GET /admin/tenants` answers it (gateway.admin.tenant_json's fields: the
-    limits nested, unset ones null), and its number of active keys."""
-    out = tenant_to_dict(info, [])
-    del out["keys"]  # hashes: `tenants export` writes them
-    return {**out, "id": info.id, "active_keys": active_keys}
+    """A tenant as `GET /admin/tenants` answers it, and its number of active keys."""
+    from gateway.admin import tenant_json  # aiohttp: only for --json
+
+    return {**tenant_json(info), "active_keys": active_keys}
 
 
 async def _list(store: TenantStore, args: argparse.Namespace) -> int:

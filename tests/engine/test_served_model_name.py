@@ -217,3 +217,8 @@ def test_fairgate_serve_with_a_served_model_name_in_fairgate_yaml(tmp_path: Path
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
+
+
+def test_a_served_name_given_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match="lists a name twice"):
+        EngineConfig(served_model_name=["acme/tiny", "acme/tiny"])
