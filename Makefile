@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	# torch first, pinned, so nothing pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# a venv made before transformers was capped may hold Hugging Face's `kernels`, which
+	# shadows fairgate's kernels/ package; nothing fairgate installs needs it
+	$(BIN)/pip uninstall -q -y kernels 2>/dev/null || true
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -38,6 +38,7 @@ import socket
 import stat
 import sys
 import tempfile
+import threading
 import time
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -563,6 +564,7 @@ class JobManager:
         self._task: asyncio.Task[None] | None = None
         self._waiters: set[asyncio.Task[None]] = set()
         self._optuna: Any = None
+        self._optuna_opening = threading.Lock()  # views run in threads: one storage for all
         self.applying: asyncio.Task[dict[str, Any]] | None = None
         self._apply_lock = asyncio.Lock()
         self.launching: set[str] = set()  # jobs between `running` and their worker's start
@@ -1031,11 +1033,12 @@ class JobManager:
         import optuna
 
         from tuner.outcome import TrialRow
-        from tuner.spec import optuna_storage_url
+        from tuner.study_lock import open_rdb_storage
 
-        if self._optuna is None:
-            optuna.logging.set_verbosity(optuna.logging.WARNING)
-            self._optuna = optuna.storages.RDBStorage(optuna_storage_url(self.storage))
+        with self._optuna_opening:  # the worker may be creating the tables this very moment
+            if self._optuna is None:
+                optuna.logging.set_verbosity(optuna.logging.WARNING)
+                self._optuna = open_rdb_storage(self.storage, writer=False)
         try:
             study = optuna.load_study(study_name=job.study, storage=self._optuna)
         except KeyError:  # not created yet: the worker has not started

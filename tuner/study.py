@@ -41,13 +41,8 @@ from tuner.outcome import (
 from tuner.progress import Progress
 from tuner.runners import RUNNERS, TrialRunner
 from tuner.space import build_config
-from tuner.spec import FINGERPRINT_TEXT, TuneSpec, optuna_storage_url
-from tuner.study_lock import (
-    SQLITE_ENGINE_KWARGS,
-    database_lock,
-    immediate_transactions,
-    storage_text,
-)
+from tuner.spec import FINGERPRINT_TEXT, TuneSpec
+from tuner.study_lock import database_lock, open_rdb_storage, storage_text
 
 
 def open_storage(spec: TuneSpec) -> optuna.storages.RDBStorage:
@@ -57,27 +52,12 @@ def open_storage(spec: TuneSpec) -> optuna.storages.RDBStorage:
     Optuna's tables, and all but one fail. On SQLite every transaction takes the write lock
     as it begins (`tuner.study_lock.immediate_transactions`), or two workers could run the
     same waiting trial."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import SQLAlchemyError
-
-    url = optuna_storage_url(spec.storage)
-    sqlite = make_url(url).get_backend_name() == "sqlite"
-    try:
-        with warnings.catch_warnings(), database_lock(url, "optuna tables"):
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            storage = optuna.storages.RDBStorage(
-                url, engine_kwargs=dict(SQLITE_ENGINE_KWARGS) if sqlite else None,
-                heartbeat_interval=spec.heartbeat_s, grace_period=2 * spec.heartbeat_s,
-                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-                    max_retry=1))
-        if sqlite:
-            immediate_transactions(storage.engine)
-        return storage
-    except (SQLAlchemyError, ImportError, OSError) as exc:  # OSError: SQLite's lock file
-        cause = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-        hint = "; does its directory exist?" if url.startswith("sqlite") else ""
-        raise ValueError(f"--storage {storage_text(spec.storage)}: cannot open the database "
-                         f"({cause}){hint}") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1)
+    return open_rdb_storage(spec.storage, heartbeat_interval=spec.heartbeat_s,
+                            grace_period=2 * spec.heartbeat_s,
+                            heartbeat_stale_trial_callback=retry)
 
 
 def run_study(spec: TuneSpec, progress: Progress | None = None) -> StudyOutcome:

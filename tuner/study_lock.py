@@ -75,6 +75,37 @@ def database_lock(url: str, name: str) -> Iterator[None]:
         yield
 
 
+def open_rdb_storage(url: str, *, writer: bool = True, **storage_kwargs: Any) -> Any:
+    """Optuna's RDB storage on `url`, opened under the database's lock: processes (or threads)
+    that open a new database at once would each create Optuna's tables and stamp its schema
+    version, and all but one fail (`UNIQUE constraint failed: alembic_version`). A `writer` on
+    SQLite begins every transaction with `BEGIN IMMEDIATE` (`immediate_transactions`); a
+    reader, such as the jobs API's view of a study, does not take the write lock to read.
+    A database that cannot be opened is a ValueError naming the storage and the cause."""
+    import warnings
+
+    import optuna
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    url = optuna_storage_url(url)
+    sqlite = make_url(url).get_backend_name() == "sqlite"
+    try:
+        with warnings.catch_warnings(), database_lock(url, "optuna tables"):
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            storage = optuna.storages.RDBStorage(
+                url, engine_kwargs=dict(SQLITE_ENGINE_KWARGS) if sqlite else None,
+                **storage_kwargs)
+    except (SQLAlchemyError, ImportError, OSError) as exc:  # OSError: SQLite's lock file
+        cause = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        hint = "; does its directory exist?" if url.startswith("sqlite") else ""
+        raise ValueError(f"--storage {storage_text(url)}: cannot open the database "
+                         f"({cause}){hint}") from None
+    if sqlite and writer:
+        immediate_transactions(storage.engine)
+    return storage
+
+
 def _lock_key(name: str) -> int:
     """A signed 64-bit advisory-lock key for `name` (advisory locks have one namespace per
     database, shared with every other program on it: hence the prefix)."""

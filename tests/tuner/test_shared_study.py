@@ -189,3 +189,46 @@ def test_tune_reads_fairgate_yaml_in_the_working_directory(
     (chosen,) = optuna.load_study(study_name="c",
                                   storage=f"sqlite:///{tmp_path / 'studies.db'}").get_trials()
     assert chosen.params["max_num_seqs"] == 40
+
+
+
+def open_storages_at_once(url: str, openers: int = 6) -> None:
+    """`openers` threads, half writers and half readers, open Optuna's storage on the new
+    database `url` at one moment: every one gets a storage, and the schema is whole after."""
+    import threading
+
+    from tuner.study_lock import open_rdb_storage
+
+    barrier = threading.Barrier(openers)
+    errors: list[BaseException] = []
+    storages: list[object] = []
+
+    def open_one(writer: bool) -> None:
+        barrier.wait()
+        try:
+            storages.append(open_rdb_storage(url, writer=writer))
+        except BaseException as exc:  # reported below, with every other
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one, args=(i % 2 == 0,)) for i in range(openers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert len(storages) == openers
+    optuna.create_study(study_name="after", storage=url)
+    assert optuna.study.get_all_study_names(storage=url) == ["after"]
+
+
+def test_storages_opened_at_once_on_a_new_sqlite_database_all_open(tmp_path: Path) -> None:
+    """A job's worker creates the study while the jobs API opens it to read (CI saw the
+    reader fail: `UNIQUE constraint failed: alembic_version`)."""
+    open_storages_at_once(f"sqlite:///{tmp_path / 'new.db'}")
+
+
+@pytest.mark.skipif(PG_SKIP is not None, reason=PG_SKIP or "")
+def test_storages_opened_at_once_on_a_new_postgresql_database_all_open() -> None:
+    with postgres.fresh_database("fg_open_race") as name:
+        open_storages_at_once(f"postgresql://{postgres.PG_USER}@{postgres.PG_HOST}:"
+                              f"{postgres.PG_PORT}/{name}")
