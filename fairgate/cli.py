@@ -75,15 +75,18 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(module_name)
         parser = argparse.ArgumentParser(prog=f"fairgate {name}", description=help_text)
         module.register(parser)
-        args = parser.parse_args(rest)
+        args, unknown = parser.parse_known_args(rest)
         args.command = name
     else:
         parser = build_parser(argv)
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
         if not args.command:
             parser.print_help()
             return 2
         module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    if unknown:
+        print(unknown_arguments(args.command, unknown), file=sys.stderr)
+        return 2
     try:
         return int(module.run(args) or 0)
     except (ValueError, OSError) as exc:  # bad input, missing files, a port already in use
@@ -91,6 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def unknown_arguments(command: str, unknown: list[str]) -> str:
+    """One line for arguments no parser of `command` took (argparse's own is two: the usage,
+    then 'unrecognized arguments'). `fairgate engine` takes vLLM's flags for the knobs it has
+    and names the vLLM flags it knows it lacks; any other flag may be vLLM's too."""
+    flags = [a.split("=", 1)[0] for a in unknown if a.startswith("-")]
+    if not flags:
+        return f"fairgate {command}: error: unexpected argument {unknown[0]!r}"
+    vllm = " (if it is vLLM's, fairgate has no such knob)" if command == "engine" else ""
+    return (f"fairgate {command}: error: {', '.join(flags)}: not a flag of fairgate "
+            f"{command}{vllm}; `fairgate {command} --help` lists its flags")
 
 
 PARENT_PID_ENV = "FAIRGATE_PARENT_PID"  # set by a gateway for its tune jobs' workers

@@ -162,6 +162,29 @@ def test_a_vllm_flag_fairgate_lacks_is_named_in_one_line(
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("argv", [["--preemption-mode", "swap"], ["--num-scheduler-steps=8"],
+                                  ["--kv-cache-memory-bytes", "1G", "--max-log-len", "9"]])
+def test_a_flag_on_no_list_is_one_line_that_names_it(
+        capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """A flag neither fairgate nor NOT_FAIRGATES knows (vLLM has more than the list holds) is
+    one line naming every such flag, exit 2, not argparse's usage plus 'unrecognized'."""
+    assert main(["engine", "random:tiny", *argv, "--max-num-seqs", "8"]) == 2
+    err = capsys.readouterr().err
+    flags = ", ".join(a.partition("=")[0] for a in argv if a.startswith("--"))
+    assert err.startswith(f"fairgate engine: error: {flags}: not a flag of fairgate engine "
+                          "(if it is vLLM's, fairgate has no such knob); "
+                          "`fairgate engine --help` lists its flags"), err
+    assert err.count("\n") == 1
+
+
+def test_an_unknown_flag_of_another_command_is_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tenants", "list", "--colour"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("fairgate tenants: error: --colour: not a flag of fairgate tenants; "
+                   "`fairgate tenants --help` lists its flags\n")
+
+
 def test_every_refused_flag_is_refused_and_none_is_in_the_table() -> None:
     ours = {f.flag for f in VLLM_FLAGS} | {"--no-enable-prefix-caching"}
     for names in NOT_FAIRGATES:
