@@ -105,6 +105,39 @@ def test_an_impossible_slo_leaves_every_trial_infeasible(
     assert "no trial met the SLOs" in capsys.readouterr().err.splitlines()[-1]
 
 
+def test_a_missed_itl_names_its_p99_target_and_margin(tmp_path: Path) -> None:
+    """An ITL-only SLO (every gap, pooled) that no config meets: each trial's cause is the
+    measured p99 ITL over the target, by how much; the sample line says how few tail samples
+    36 requests give a p99."""
+    assert tune(tmp_path, "--trials", "2", "--holdout", "0",
+                slos=["--slo-itl-p99", "0.001"]) == 1
+    for row in read_trials(tmp_path):
+        if row["ran"] == "True":
+            itl_ms = float(row["p99_itl_s"]) * 1000
+            over = f"p99 ITL {itl_ms:.1f} ms > 1.0 ms (+{(itl_ms / 1.0 - 1) * 100:.0f}%)"
+            assert over in row["infeasible"], row["infeasible"]
+            assert "TTFT" not in row["infeasible"] and "TPOT" not in row["infeasible"]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert ("- sample: 36 requests a window: each p99 rests on 0.36 requests beyond it (fewer "
+            "than 10: noise may pick the winner; 1000 requests would carry it)") in report
+
+
+@pytest.mark.parametrize("objective", ["goodput", "capacity"])
+def test_goodput_that_cannot_separate_configs_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], objective: str) -> None:
+    """At a rate every config serves, goodput is the offered rate for all of them: the report
+    says the objective cannot separate them and points to capacity, which can."""
+    space = "max_model_len: {low: 4096, high: 4096}\n"  # no trial refuses a request
+    assert tune(tmp_path, "--trials", "5", "--holdout", "0", "--objective", objective,
+                space=space, slos=["--slo-ttft-p99", "5", "--slo-tpot-p99", "1"]) == 0
+    rows = read_trials(tmp_path)
+    assert all(r["infeasible"] == "" for r in rows)
+    note = "the objective cannot separate them here; --objective capacity measures how far"
+    said = note in capsys.readouterr().err
+    assert said == (note in (tmp_path / "out" / "report.md").read_text())
+    assert said == (objective == "goodput")
+
+
 def test_study_resumes(tmp_path: Path) -> None:
     assert tune(tmp_path, "--trials", "3", study="resume") == 0
     assert tune(tmp_path, "--trials", "5", study="resume") == 0  # the study's size: 2 more
