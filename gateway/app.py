@@ -64,7 +64,7 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     limiter, shared_state = make_limiter(settings.redis, metrics)
     gw = Gateway(settings, pool, _ledger(store, settings, database), metrics, limiter)
     if isinstance(limiter, SharedRateLimiter):  # queue bounds and fair share over replicas
-        gw.shared_fair = SharedFairState(limiter, gw.queue, metrics,
+        gw.replica_fair_share = SharedFairState(limiter, gw.queue, metrics,
                                          on_change=lambda: gw.dispatcher.pump())
     app[SETTINGS], app[STORE], app[METRICS] = settings, store, metrics
     app[GATEWAY] = gw
@@ -76,8 +76,8 @@ def make_app(config: GatewayConfig | None = None, *, engine: EngineConfig | None
     app.cleanup_ctx.extend([_database(on_demo_key), _backends_ctx, _ticker])
     if shared_state is not None:  # Redis for the rate windows: stopped first, settles drained
         app.cleanup_ctx.append(shared_state)
-    if gw.shared_fair is not None:  # starts once Redis is connected, stops before it closes
-        app.cleanup_ctx.append(gw.shared_fair.lifespan)
+    if gw.replica_fair_share is not None:  # starts once Redis is connected, stops before it closes
+        app.cleanup_ctx.append(gw.replica_fair_share.lifespan)
     if isinstance(limiter, SharedRateLimiter):  # revoked keys refused on every replica at once
         revocations = KeyRevocations(limiter, on_revoked=store.forget_key)
         store.on_revoke(revocations.publish)
@@ -265,8 +265,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 def _shared_state(gw: Gateway) -> dict[str, Any]:
     status = gw.limiter.shared_state_status()
-    if gw.shared_fair is not None:
-        status = {**status, "detail": f"{status['detail']}; {gw.shared_fair.status()}"}
+    if gw.replica_fair_share is not None:
+        status = {**status, "detail": f"{status['detail']}; {gw.replica_fair_share.status()}"}
     return status
 
 

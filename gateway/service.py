@@ -136,7 +136,7 @@ class Gateway:
         self.metrics = metrics
         self.limiter: Limiter = limiter or RateLimiter()  # gateway.redis: gateway/replicas
         # gateway.redis: queue bounds and fair share over replicas (replicas/redis_fair_share.py)
-        self.shared_fair: SharedFairState | None = None
+        self.replica_fair_share: SharedFairState | None = None
         self.estimator = OutputEstimator()
         self.queue = FairQueue(config.dispatch)
         self.dispatcher = Dispatcher(self.queue, self.pool, metrics, config.prefix_load_factor,

@@ -22,7 +22,7 @@ __all__ = ["prefix"]  # the fixture: a key prefix of the test's own, deleted aft
 
 
 def fair(h: Harness) -> SharedFairState:
-    state = h.gateway.shared_fair
+    state = h.gateway.replica_fair_share
     assert state is not None
     return state
 

@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import socket
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import tenants.ledger
 from tenants import TenantStore, UsageEvent, UsageLedger
 from tenants.db import Database
 from tenants.models import UsageRow
+from tests.support.processes import free_port
 
 INT32_MAX = 2**31 - 1
 
@@ -224,10 +224,7 @@ async def test_dead_letter_the_database_refuses_too_goes_to_a_file(
 def unreachable_url(store: TenantStore, tmp_path: Path) -> str:
     if store.db.is_sqlite:
         return f"sqlite+aiosqlite:///{tmp_path / 'no-such-dir' / 'x.db'}"
-    with socket.socket() as s:  # a port nobody listens on once this closes
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"postgresql+asyncpg://postgres@127.0.0.1:{port}/fairgate"
+    return f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/fairgate"
 
 
 @pytest.mark.usefixtures("raw_rows")
