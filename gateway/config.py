@@ -80,8 +80,14 @@ class BackendConfig(_Endpoint):
     # backend per address it resolves to, looked up again every discover_interval_s
     discover: str | None = None
     discover_interval_s: float = 5.0
+    # the engine's own model folder (or its tokenizer.json, beside tokenizer_config.json): its
+    # prompts are counted exactly and sent to a fairgate engine as token ids, tokenized once
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise ValueError("gateway.backends[].tokenizer must be a path (the engine's model "
+                             f"folder or its tokenizer.json), got {self.tokenizer!r}")
         if self.discover is not None:
             check_choice("gateway.backends[].discover", self.discover, ("dns",))
         check_number("gateway.backends[].discover_interval_s", self.discover_interval_s, low=0,

@@ -65,6 +65,7 @@ async def _handle(request: web.Request, endpoint: str) -> web.StreamResponse:
     req: OpenAIRequest | None = None
     try:
         req = parse_request(await read_json(request), endpoint)
+        req.token_ids = None  # a client's prompt_token_ids: the engine extension is ours to send
         adm, future = await gw.admit(principal, req)
     except ApiError as exc:
         gw.record_rejection(principal, req, exc.status)

@@ -71,6 +71,7 @@ class OpenAIRequest:
     tenant: str = ""  # fairgate engine extensions, set by the gateway for the fair policy
     tenant_weight: float | None = None
     token_ids: list[int] | None = None  # the rendered prompt, once a surface has computed it
+    token_ids_of: object | None = None  # the tokenizer that rendered token_ids; None: given
 
     @property
     def chat(self) -> bool:
@@ -150,6 +151,7 @@ def _unsupported(name: str) -> Field:
 
 
 _SAMPLING_NUMBER = "; the engine's SamplingParams range"
+PROMPT_IDS = "prompt_token_ids"
 # In the order parse_request checks them: the first bad field is the one a 400 names.
 REQUEST_FIELDS = (
     Field("model", "string", "A model id from GET /v1/models; omitted, empty or \"default\": "
@@ -217,6 +219,11 @@ REQUEST_FIELDS = (
     Field("tenant_weight", "number", "fairgate engine extension: that tenant's fair-share "
           "weight; the gateway sends the caller's own.", minimum=TENANT_WEIGHT_RANGE[0],
           maximum=TENANT_WEIGHT_RANGE[1]),
+    Field(PROMPT_IDS, "token_ids", "fairgate engine extension: the prompt as this engine's token "
+          "ids (a chat already rendered through its template), from a gateway that tokenized it "
+          "with the engine's own tokenizer; the engine runs them instead of tokenizing `prompt` "
+          "or `messages` again. Omitted or empty: the engine tokenizes. A gateway ignores it "
+          "from clients.", default=()),
 )
 FIELDS = {f.name: f for f in REQUEST_FIELDS}
 INCLUDE_USAGE = Field("include_usage", "boolean", "Add a last chunk with the token counts.",
@@ -255,7 +262,8 @@ def parse_request(body: dict[str, Any], endpoint: str) -> OpenAIRequest:
                          max_tokens=values["max_tokens"] if max_tokens is None else max_tokens,
                          stream=stream, include_usage=bool(values["stream_options"]) and stream,
                          priority=values["priority"], sampling=sampling,
-                         tenant=values["tenant"], tenant_weight=values["tenant_weight"])
+                         tenant=values["tenant"], tenant_weight=values["tenant_weight"],
+                         token_ids=list(values[PROMPT_IDS]) or None)
 
 
 def read_field(spec: Field, value: Any) -> Any:
@@ -332,6 +340,9 @@ def _prompt(spec: Field, prompt: Any) -> str | list[int]:
 
 
 def _token_id_list(values: list[Any], param: str, where: str) -> list[int]:
+    if values and set(map(type, values)) == {int} and (
+            min(values) >= 0 and max(values) <= MAX_TOKEN_ID):
+        return list(values)  # plain ints in range, checked in C: a long prompt costs µs
     ids = [_integral(t) for t in values]
     for i, (token_id, sent) in enumerate(zip(ids, values, strict=True)):
         if (isinstance(token_id, bool) or not isinstance(token_id, int)
@@ -419,15 +430,18 @@ _SHAPES: dict[str, Callable[[Field, Any], Any]] = {
 
 # ---- the prompt ----------------------------------------------------------------------------
 def prompt_token_ids(req: OpenAIRequest, tokenizer: ChatTokenizer) -> list[int]:
-    """The prompt as the engine runs it (memoised on the request): token ids as given, text
-    encoded, chat rendered through the model's chat template when it has one."""
-    if req.token_ids is None:
+    """The prompt as the engine runs it: token ids as given (`prompt` or the `prompt_token_ids`
+    extension), text encoded, chat rendered through the model's chat template when it has one.
+    Memoised on the request for this tokenizer: another one (a backend of another model)
+    renders its own."""
+    if req.token_ids is None or req.token_ids_of not in (None, tokenizer):
         if req.messages is not None:
-            req.token_ids = render_chat(req.messages, tokenizer)
+            req.token_ids, req.token_ids_of = render_chat(req.messages, tokenizer), tokenizer
         elif isinstance(req.prompt, list):
-            req.token_ids = req.prompt
+            req.token_ids, req.token_ids_of = req.prompt, None
         else:
             req.token_ids = tokenizer.encode(req.prompt or "")
+            req.token_ids_of = tokenizer
     return req.token_ids
 
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from engine.request import SamplingParams
 from protocol.errors import ApiError
-from protocol.openai import OpenAIRequest, ResponseWriter
+from protocol.openai import PROMPT_IDS, OpenAIRequest, ResponseWriter
 
 KV_HIGH_WATER = 0.95  # above this KV usage the engine is about to preempt; hold new work back
 
@@ -96,14 +96,16 @@ class Job:
 
 # fairgate engine extensions: the gateway's to set (the caller's tenant, its weight and
 # priority), never a client's to pass on
-ENGINE_EXTENSIONS = ("tenant", "tenant_weight", "priority")
+ENGINE_EXTENSIONS = ("tenant", "tenant_weight", "priority", PROMPT_IDS)
 
 
-def engine_body(job: Job, model: str, stream: bool, fairgate: bool) -> dict[str, Any]:
+def engine_body(job: Job, model: str, stream: bool, fairgate: bool,
+                prompt_ids: list[int] | None = None) -> dict[str, Any]:
     """The body an engine gets for `job`: the client's, with the model to run, max_tokens
     resolved, usage asked for when streamed, and the fairgate extensions the gateway's own
-    (a `fairgate` engine) or none of them (any other server, which gets vLLM's per-tenant
-    prefix-cache salt). The shadow copies of a request are this body too."""
+    (a `fairgate` engine: `prompt_ids`, the prompt as that engine's tokens, when the caller
+    has them) or none of them (any other server, which gets vLLM's per-tenant prefix-cache
+    salt). The shadow copies of a request are this body too, without the ids."""
     body = {k: v for k, v in job.req.body.items()
             if k not in ENGINE_EXTENSIONS and k != "max_completion_tokens"}
     body.update(model=model, stream=stream, max_tokens=job.max_tokens)
@@ -113,6 +115,8 @@ def engine_body(job: Job, model: str, stream: bool, fairgate: bool) -> dict[str,
         body["stream_options"] = {"include_usage": True}
     if fairgate:
         body.update(tenant=job.tenant, priority=job.priority, tenant_weight=job.tenant_weight)
+        if prompt_ids is not None:
+            body[PROMPT_IDS] = prompt_ids
     else:
         body["cache_salt"] = job.tenant  # vLLM's per-tenant prefix-cache isolation
     return body

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -90,6 +92,11 @@ class RemoteBackend:
         self.first_byte_timeout = _own_or(config.first_byte_timeout_s, first_byte_timeout)
         self.stall_timeout = _own_or(config.stall_timeout_s, stall_timeout)
         self.tokenizer: Tokenizer | None = HFTokenizer(tokenizer_file) if tokenizer_file else None
+        # the engine's own tokenizer, template included: its prompts go as token ids.
+        # gateway.tokenizer only counts: it may be another model's than this engine's
+        self.engines_tokenizer = config.tokenizer is not None and self.fairgate
+        if config.tokenizer is not None:
+            self.tokenizer = engine_tokenizer(config.tokenizer)
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._http = UpstreamPool(config.base_url, headers)
         self._poller: asyncio.Task[None] | None = None
@@ -213,12 +220,22 @@ class RemoteBackend:
         self.model_aliases = tuple(dict.fromkeys([*ids[1:], *roots]))
         names = (self.model_name, *self.model_aliases)
         if self.tokenizer is None and any(n.startswith("random:") for n in names):
+            # exact, but its prompts still go as text: encoding bytes costs the engine less
+            # than reading and checking a list of ids (bench/RESULTS.md, issue 28)
             self.tokenizer = ByteTokenizer()
 
     # ---- requests ---------------------------------------------------------------------------
     def _body(self, job: Job, stream: bool) -> bytes:
-        body = engine_body(job, self.model_name, stream, self.fairgate)
+        body = engine_body(job, self.model_name, stream, self.fairgate, self.prompt_ids(job.req))
         return json.dumps(body, separators=(",", ":")).encode()
+
+    def prompt_ids(self, req: OpenAIRequest) -> list[int] | None:
+        """The prompt as the engine's own token ids, rendered once here (admission counted
+        them) so the engine does not tokenize it again; None when this gateway does not hold
+        the engine's tokenizer, or the prompt already is ids."""
+        if not self.engines_tokenizer or self.tokenizer is None or isinstance(req.prompt, list):
+            return None
+        return prompt_token_ids(req, self.tokenizer)
 
     async def _post(self, job: Job, stream: bool) -> Response:
         """The backend's response to `job` (status < 400; the caller closes it)."""
@@ -347,6 +364,19 @@ class RemoteBackend:
                            code="bad_gateway") from None
         body["model"] = job.req.model
         return json.dumps(body, separators=(",", ":")).encode()
+
+
+@functools.lru_cache(maxsize=16)
+def engine_tokenizer(path: str) -> HFTokenizer:
+    """A backend's `tokenizer`: the engine's model folder, or a tokenizer.json in it, read as
+    the engine reads it (special tokens and chat template from tokenizer_config.json). One
+    object per path: the replicas of a model share it, and a prompt rendered for one (at
+    admission) is not rendered again for another (`prompt_token_ids` memoises per tokenizer)."""
+    folder = Path(path)
+    try:
+        return HFTokenizer.from_folder(folder if folder.is_dir() else folder.parent)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"gateway.backends[].tokenizer {path!r}: {exc}") from None
 
 
 def _own_or(own: float | None, default: float) -> float:
