@@ -226,11 +226,12 @@ def _optimize(spec: TuneSpec, study: optuna.Study, runner: TrialRunner, prepared
             study.optimize(evaluate, n_trials=n_trials, timeout=_left(spec, started),
                            callbacks=callbacks, gc_after_trial=False)
             # A killed run's trial that went stale only after this worker counted it as
-            # running was failed and queued again (with its knobs) meanwhile: run it too, or
-            # the study ends a trial short. Failed trials queue at most once (max_retry), so
-            # this ends.
+            # running is failed and queued again (with its knobs), here or meanwhile: run it
+            # too, or the study ends a trial short (or with it RUNNING forever). Failed trials
+            # queue at most once (max_retry), so this ends.
             if spec.trials is None or _left(spec, started) == 0.0:
                 return
+            _fail_stale_trials(study)
             n_trials = min(spec.trials - _taken(study), len(study.get_trials(
                 deepcopy=False, states=(TrialState.WAITING,))))
             if n_trials <= 0:
@@ -273,16 +274,16 @@ def _settle_running(spec: TuneSpec, study: optuna.Study, progress: Progress | No
     running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     if not running:
         return
-    wait_s = 3 * spec.heartbeat_s  # the grace period (2 beats) and one more beat
+    # the grace period (2 beats), one more beat, and a second: SQLite's clock
+    # (CURRENT_TIMESTAMP, which Optuna's heartbeats read) has whole seconds
+    wait_s = 3 * spec.heartbeat_s + 1.0
     if progress is not None:
         progress.note(f"fairgate tune: trial(s) {', '.join(f'#{n}' for n in sorted(running))} "
                       f"running (another worker's, or a killed one's): waiting up to {wait_s} s "
                       "for their heartbeats")
     deadline = time.monotonic() + wait_s
     while True:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(study)
+        _fail_stale_trials(study)
         still = running & {t.number for t in study.get_trials(
             deepcopy=False, states=(TrialState.RUNNING,))}
         if not still or time.monotonic() > deadline:
@@ -292,6 +293,17 @@ def _settle_running(spec: TuneSpec, study: optuna.Study, progress: Progress | No
     if progress is not None and ended:
         progress.note(f"fairgate tune: trial(s) {', '.join(f'#{n}' for n in sorted(ended))} "
                       "ended or stopped beating; one that stopped runs again with its knobs")
+
+
+def _fail_stale_trials(study: optuna.Study) -> None:
+    """Fail the study's trials whose worker stopped beating (each is queued again once, with its
+    knobs: `open_storage`'s callback). Optuna does this as each trial starts; a worker ending
+    its share does it once more, for a killed worker's trial that went stale meanwhile."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
 WORKER_START_S = 120.0  # how long the first worker waits for the others to load the study
 
 
