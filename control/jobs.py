@@ -47,11 +47,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+from sqlalchemy.exc import SQLAlchemyError
 
 from control.canary import MAX_CANARY_WEIGHT, ServedWindow
 from engine.config import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV, EngineConfig
 from engine.presets import MODEL_PRESETS, model_preset
 from engine.sim_profile import FEATURES, PROFILE_VERSION, SimProfile
+from gateway.admin import RETRY_AFTER_S
 from gateway.config import ADMIN_KEY_ENV, BackendConfig, ShadowConfig
 from gateway.outlier import Verdict
 from protocol.errors import ApiError, bad_request
@@ -1035,15 +1037,20 @@ class JobManager:
         from tuner.outcome import TrialRow
         from tuner.study_lock import open_rdb_storage
 
-        with self._optuna_opening:  # the worker may be creating the tables this very moment
-            if self._optuna is None:
-                optuna.logging.set_verbosity(optuna.logging.WARNING)
-                self._optuna = open_rdb_storage(self.storage, writer=False)
         try:
+            with self._optuna_opening:  # the worker may be creating the tables this moment
+                if self._optuna is None:
+                    optuna.logging.set_verbosity(optuna.logging.WARNING)
+                    self._optuna = open_rdb_storage(self.storage, writer=False)
             study = optuna.load_study(study_name=job.study, storage=self._optuna)
+            trials = study.get_trials(deepcopy=False)
         except KeyError:  # not created yet: the worker has not started
             return {"done": 0, "best": None, "trials": []}
-        rows = [TrialRow.of(t) for t in study.get_trials(deepcopy=False)]
+        except (ValueError, SQLAlchemyError) as exc:  # ValueError: open_rdb_storage's
+            raise ApiError(503, f"the studies' database is unavailable ({exc}); try again "
+                           "shortly", code="database_unavailable",
+                           retry_after=RETRY_AFTER_S) from None
+        rows = [TrialRow.of(t) for t in trials]
         feasible = [r for r in rows if r.feasible and r.value is not None]
         best = max(feasible, key=lambda r: r.value or 0.0, default=None)
         return {"done": sum(1 for r in rows if r.state == "COMPLETE"),

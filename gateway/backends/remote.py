@@ -91,12 +91,11 @@ class RemoteBackend:
         self.on_result = on_result
         self.first_byte_timeout = _own_or(config.first_byte_timeout_s, first_byte_timeout)
         self.stall_timeout = _own_or(config.stall_timeout_s, stall_timeout)
-        self.tokenizer: Tokenizer | None = HFTokenizer(tokenizer_file) if tokenizer_file else None
-        # the engine's own tokenizer, template included: its prompts go as token ids.
-        # gateway.tokenizer only counts: it may be another model's than this engine's
-        self.engines_tokenizer = config.tokenizer is not None and self.fairgate
-        if config.tokenizer is not None:
-            self.tokenizer = engine_tokenizer(config.tokenizer)
+        # the backend's own tokenizer (the engine's, template included), else gateway.tokenizer,
+        # which only counts: it may be another model's than this engine's
+        self.tokenizer: Tokenizer | None = (
+            engine_tokenizer(config.tokenizer) if config.tokenizer is not None
+            else HFTokenizer(tokenizer_file) if tokenizer_file else None)
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._http = UpstreamPool(config.base_url, headers)
         self._poller: asyncio.Task[None] | None = None
@@ -104,6 +103,11 @@ class RemoteBackend:
     @property
     def fairgate(self) -> bool:
         return self.config.kind == "fairgate"
+
+    @property
+    def engines_tokenizer(self) -> bool:
+        """This gateway holds the engine's own tokenizer: its prompts go as token ids."""
+        return self.fairgate and self.config.tokenizer is not None
 
     def capacity(self) -> int:
         if self.fairgate and self.load:
@@ -233,8 +237,9 @@ class RemoteBackend:
         """The prompt as the engine's own token ids, rendered once here (admission counted
         them) so the engine does not tokenize it again; None when this gateway does not hold
         the engine's tokenizer, or the prompt already is ids."""
-        if not self.engines_tokenizer or self.tokenizer is None or isinstance(req.prompt, list):
+        if not self.engines_tokenizer or isinstance(req.prompt, list):
             return None
+        assert self.tokenizer is not None  # the backend's own: set with config.tokenizer
         return prompt_token_ids(req, self.tokenizer)
 
     async def _post(self, job: Job, stream: bool) -> Response:

@@ -494,3 +494,28 @@ async def test_two_jobs_may_not_tune_one_engine(aiohttp_client: Any, db_url: str
     other = await h.client.post("/admin/tune-jobs", json={**replay, "target":
                                                          "http://127.0.0.1:8101"}, headers=ADMIN)
     assert other.status == 201
+
+
+async def test_a_study_database_that_cannot_be_opened_is_a_503(tmp_path: Path,
+                                                                db_url: str) -> None:
+    """The jobs API reads a job's study from the studies' database: when that cannot be opened
+    (here a PostgreSQL port nobody listens on), describing the job is a 503 naming why."""
+    from control.jobs import JobManager
+    from tenants import TenantStore
+    from tenants.jobs import JobStore
+
+    store = TenantStore(db_url)
+    await store.init()
+    jobs = JobStore(store.db)
+    try:
+        await jobs.create("job-x", {"mode": "sim"}, None, "study-x", str(tmp_path), 1)
+        (job,) = await jobs.jobs()
+        down = f"postgresql://postgres@127.0.0.1:{free_port()}/fairgate"
+        manager = JobManager(jobs, down, tmp_path, 1, None, None)
+        with pytest.raises(ApiError) as refused:
+            await manager.describe(job)
+        assert refused.value.status == 503 and refused.value.code == "database_unavailable"
+        assert "the studies' database is unavailable (--storage postgresql://" in str(
+            refused.value)
+    finally:
+        await store.close()
