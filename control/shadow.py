@@ -3,8 +3,8 @@ latency paired with the live request it copies.
 
 The live path only calls `ShadowSet.offer` (after admission) and `ShadowSet.live_done` (in
 settle); both are a few dict and deque operations, never I/O, and never wait. The copies are
-sent from a child process (control/shadow_worker.py), fed over a pipe by a thread of this one:
-their HTTP round trips, stream parsing and histogram observations never run on the live event
+sent from a child process (control/shadow_worker.py), fed through a shared-memory ring
+(control/shm_ring.py; a pipe where that is not supported) once per loop turn: their HTTP round trips, stream parsing and histogram observations never run on the live event
 loop. Each target holds at most `max_queue + max_inflight` copies not yet answered; a copy
 beyond that is dropped and counted, so a slow, failing or dead shadow changes nothing for live
 clients. Copies never touch a tenant's rate windows, queues, fair-share counters or usage
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from control import shm_ring
 from control.shadow_metrics import ShadowMetrics
 from control.shadow_worker import CopyFailure, FrameReader, FrameSender
 from gateway.backends import Job, engine_body
@@ -114,7 +116,10 @@ class ShadowMirror:
         self._tenants = None if config.tenants == ("all",) else frozenset(config.tenants)
         for reason in DROP_REASONS:  # its series exist from the start, at zero
             metrics.dropped.labels(self.name, reason)
-        metrics.failed.labels(self.name)
+        # their series exist from the start too; the children are kept (a labels() lookup
+        # per copy is most of what counting it costs)
+        self._sent_total = metrics.sent.labels(self.name)
+        self._failed_total = metrics.failed.labels(self.name)
 
     @property
     def name(self) -> str:
@@ -168,10 +173,10 @@ class ShadowMirror:
             return
         self.outstanding -= 1
         self.sent += 1
-        self.metrics.sent.labels(self.name).inc()
+        self._sent_total.inc()
         if not ok:
             self.failed += 1
-            self.metrics.failed.labels(self.name).inc()
+            self._failed_total.inc()
             why = CopyFailure(*failure) if failure else CopyFailure(None, "unknown")
             self.failures.setdefault(why.reason, Failures()).add(why)
         pair.shadow = RequestTiming(started, stamps, tokens, end, ok=ok)
@@ -362,7 +367,7 @@ class ShadowSet(RequestObserver):
             c.name: ShadowMirror(c, metrics, self._send) for c in configs}
         self.running = False
         self.worker: subprocess.Popen[bytes] | None = None
-        self._out: FrameSender | None = None
+        self._out: FrameSender | shm_ring.RingSender | None = None
         self._restart: asyncio.TimerHandle | None = None
 
     def __bool__(self) -> bool:
@@ -438,11 +443,22 @@ class ShadowSet(RequestObserver):
 
     async def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
-        worker = self.worker = subprocess.Popen(
-            [sys.executable, "-m", "control.shadow_worker"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, bufsize=0)
-        assert worker.stdin is not None and worker.stdout is not None
-        self._out = await FrameSender.open(worker.stdin)
+        command = [sys.executable, "-m", "control.shadow_worker"]
+        ring = shm_ring.create() if shm_ring.wanted() else None
+        try:
+            worker = self.worker = subprocess.Popen(
+                command if ring is None else [*command, "--ring-fd", str(ring)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                pass_fds=() if ring is None else (ring,))
+            assert worker.stdin is not None and worker.stdout is not None
+            if ring is None:  # copies go down the pipe
+                self._out = await FrameSender.open(worker.stdin)
+            else:  # into the ring; the pipe wakes an idle worker and ends it
+                self._out = await shm_ring.RingSender.open(shm_ring.RingWriter(ring),
+                                                           worker.stdin)
+        finally:
+            if ring is not None:
+                os.close(ring)  # the mapping and the child keep it
         for mirror in self.mirrors.values():
             self._out.put(("put", mirror.config))
         await loop.connect_read_pipe(lambda: FrameReader(

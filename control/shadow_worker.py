@@ -3,9 +3,12 @@ away here, in a child process of the gateway, so the copies' HTTP work never run
 event loop (`bench/shadow_overhead.py` measured it at 40% of the gateway's CPU per request when
 it did).
 
-The gateway (control/shadow.py) talks to it over the child's stdin and stdout in length-prefixed
-pickled batches, one per event-loop turn, through the loops' own non-blocking pipe transports
-(`FrameSender`, `FrameReader`): no thread, no lock, and neither loop ever blocks on the pipe.
+The gateway (control/shadow.py) hands it pickled batches, one per event-loop turn, through a
+shared-memory ring (control/shm_ring.py: `--ring-fd`, an inherited descriptor), read here on a
+short timer while copies come and on a wake-up byte down stdin after a quiet spell; where the
+ring is not supported, the batches come down stdin itself, length-prefixed (`FrameSender`,
+`FrameReader`). Results go back up stdout the same way, in fewer, fuller batches. No thread, no
+lock, and neither loop ever blocks on the other.
 
 Gateway -> worker, in order:
     ("put", ShadowConfig)   start a target, or replace the one of that name (its queue and
@@ -36,6 +39,7 @@ stopped, or died.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -51,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from control import shm_ring
 from gateway.config import ShadowConfig
 from gateway.metrics import ITL_BUCKETS, LATENCY_BUCKETS
 from gateway.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamTimeout
@@ -62,6 +67,7 @@ STATE_S = 0.25  # queued / inflight counts, when nothing else goes back
 _HEADER = struct.Struct(">I")
 MAX_ERROR_BODY = 4096  # bytes of a refused copy's answer read for its error
 MAX_FAILURE_MESSAGE = 300  # characters of the target's message kept with a failure
+SENDER_NICE = 10  # the worker's niceness, added to the gateway's
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,12 +436,18 @@ class Worker:
         self.out.put_many(batch)
 
 
-async def serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
+async def serve(stdin: IO[bytes], stdout: IO[bytes], ring_fd: int | None = None) -> None:
     loop = asyncio.get_running_loop()
     ended = asyncio.Event()
     out = await FrameSender.open(stdout)
     worker = Worker(out)
-    await loop.connect_read_pipe(lambda: FrameReader(worker.handle, ended.set), stdin)
+    if ring_fd is None:
+        await loop.connect_read_pipe(lambda: FrameReader(worker.handle, ended.set), stdin)
+    else:
+        ring = shm_ring.RingReader(ring_fd)
+        os.close(ring_fd)  # the mapping keeps it
+        await loop.connect_read_pipe(
+            lambda: shm_ring.RingReceiver(ring, worker.handle, ended.set), stdin)
     await ended.wait()  # the gateway closed our stdin
     for name in list(worker.targets):
         worker._retire(name)
@@ -444,7 +456,14 @@ async def serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     out.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m control.shadow_worker",
+                                     description="the gateway's shadow sender process")
+    parser.add_argument("--ring-fd", type=int, default=None,
+                        help="an inherited shared-memory ring's descriptor (control/shm_ring.py)")
+    args = parser.parse_args(argv)
+    with contextlib.suppress(OSError):  # copies yield the cores to live traffic
+        os.nice(SENDER_NICE)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # the frames go to the gateway on a private copy of stdout; fd 1 becomes stderr, so nothing
@@ -452,7 +471,7 @@ def main() -> None:
     frames = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C reaches the gateway's whole group
-        asyncio.run(serve(os.fdopen(os.dup(0), "rb", buffering=0), frames))
+        asyncio.run(serve(os.fdopen(os.dup(0), "rb", buffering=0), frames, args.ring_fd))
 
 
 if __name__ == "__main__":
