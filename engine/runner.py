@@ -17,6 +17,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.executor import KVCapacity, ModelOutput
+from engine.host_memory import keep_step_memory
 from engine.loader import load_model
 from engine.model import AttentionMetadata, LayerKV
 from engine.sampling import SamplingBatch, sample
@@ -131,6 +132,8 @@ class TorchExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_step_memory()  # a step's activations are not faulted in afresh every step
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
         ops = get_ops(self.attention_backend, self.device)
