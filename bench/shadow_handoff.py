@@ -1,6 +1,6 @@
 """What does handing a shadow copy to the sender process cost the gateway's event loop? The
-same copies handed over through a pipe (a pickled frame per loop turn, control/shadow_worker.py's
-FrameSender) and through the shared-memory ring (control/shm_ring.py's RingSender), each to a
+same copies handed over down a pipe (a pickled frame per loop turn: control/shadow_worker.py's
+FrameSender) and through the shared-memory ring (its RingSender, control/shm_ring.py), each to a
 real reader process, against a run that hands nothing over; alternating, in one process.
 
 Each loop turn does some stand-in request work (JSON-encoding a list of chat bodies, about
@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from bench.common import machine  # noqa: E402
 from control import shm_ring  # noqa: E402
-from control.shadow_worker import FrameSender  # noqa: E402
+from control.shadow_worker import FrameSender, RingSender  # noqa: E402
 
 READER = """
 import asyncio, os, sys
 from control import shm_ring
-from control.shadow_worker import FrameReader
+from control.shadow_worker import FrameReader, RingReceiver
 
 async def main(fd):
     loop = asyncio.get_running_loop()
@@ -43,7 +43,7 @@ async def main(fd):
     stdin = os.fdopen(0, "rb", buffering=0)
     if fd >= 0:
         ring = shm_ring.RingReader(fd)
-        await loop.connect_read_pipe(lambda: shm_ring.RingReceiver(ring, take, ended.set), stdin)
+        await loop.connect_read_pipe(lambda: RingReceiver(ring, take, ended.set), stdin)
     else:
         await loop.connect_read_pipe(lambda: FrameReader(take, ended.set), stdin)
     await ended.wait()
@@ -74,7 +74,7 @@ async def run(kind: str, turns: int, per_turn: int) -> tuple[float, float]:
                               pass_fds=(ring,) if ring >= 0 else ())
     sender: Any
     if kind == "ring":
-        sender = await shm_ring.RingSender.open(shm_ring.RingWriter(ring), reader.stdin)
+        sender = await RingSender.open_ring(shm_ring.RingWriter(ring), reader.stdin)
         os.close(ring)
     elif kind == "pipe":
         sender = await FrameSender.open(reader.stdin)

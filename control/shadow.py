@@ -41,7 +41,7 @@ import numpy as np
 
 from control import shm_ring
 from control.shadow_metrics import ShadowMetrics
-from control.shadow_worker import CopyFailure, FrameReader, FrameSender
+from control.shadow_worker import CopyFailure, FrameReader, FrameSender, RingSender
 from gateway.backends import Job, engine_body
 from gateway.config import ShadowConfig
 from gateway.events import RequestAdmitted, RequestFinished, RequestObserver
@@ -367,7 +367,7 @@ class ShadowSet(RequestObserver):
             c.name: ShadowMirror(c, metrics, self._send) for c in configs}
         self.running = False
         self.worker: subprocess.Popen[bytes] | None = None
-        self._out: FrameSender | shm_ring.RingSender | None = None
+        self._out: FrameSender | None = None
         self._restart: asyncio.TimerHandle | None = None
 
     def __bool__(self) -> bool:
@@ -454,8 +454,7 @@ class ShadowSet(RequestObserver):
             if ring is None:  # copies go down the pipe
                 self._out = await FrameSender.open(worker.stdin)
             else:  # into the ring; the pipe wakes an idle worker and ends it
-                self._out = await shm_ring.RingSender.open(shm_ring.RingWriter(ring),
-                                                           worker.stdin)
+                self._out = await RingSender.open_ring(shm_ring.RingWriter(ring), worker.stdin)
         finally:
             if ring is not None:
                 os.close(ring)  # the mapping and the child keep it

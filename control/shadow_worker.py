@@ -183,6 +183,145 @@ class FrameSender:
         self.transport.close()
 
 
+class RingSender(FrameSender):
+    """A FrameSender whose turn's batch goes into a shared-memory ring (control/shm_ring.py);
+    its pipe only wakes an idle reader, and its end ends the reader. What the ring cannot take
+    yet waits here, in order, and is retried; the callers bound how much."""
+
+    def __init__(self, ring: shm_ring.RingWriter, transport: asyncio.WriteTransport,
+                 max_part: int = shm_ring.MAX_PART) -> None:
+        super().__init__(transport)
+        self.ring = ring
+        self.max_part = max_part
+        self._backlog: deque[memoryview] = deque()
+        self._retry: asyncio.TimerHandle | None = None
+
+    @classmethod
+    async def open_ring(cls, ring: shm_ring.RingWriter, pipe: IO[bytes]) -> RingSender:
+        transport, _ = await asyncio.get_running_loop().connect_write_pipe(asyncio.Protocol, pipe)
+        return cls(ring, transport)
+
+    @property
+    def waiting(self) -> int:
+        """Bytes not in the ring yet (it was full)."""
+        return sum(len(m) for m in self._backlog)
+
+    def _flush(self) -> None:
+        items, self._items = self._items, []
+        if items and not self.transport.is_closing():
+            data = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+            self._backlog.append(memoryview(data))
+            self._drain()
+
+    def _retried(self) -> None:
+        self._retry = None
+        self._drain()
+
+    def _drain(self) -> None:
+        wrote = False
+        backlog = self._backlog
+        while backlog:
+            message = backlog[0]
+            part = message[:self.max_part]
+            more = len(message) > self.max_part
+            if not self.ring.write(part, more):
+                break
+            wrote = True
+            if more:
+                backlog[0] = message[self.max_part:]
+            else:
+                backlog.popleft()
+        if backlog and self._retry is None and not self.transport.is_closing():
+            self._retry = self.loop.call_later(shm_ring.RETRY_S, self._retried)
+        if wrote and self.ring.wake_wanted():
+            self.transport.write(b"\0")
+
+    def close(self) -> None:
+        """Write what is queued and fits, then close the pipe (the reader's end of input);
+        what the ring cannot take is dropped with the worker, which is stopping."""
+        self._flush()
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self._backlog:
+            log.warning("shadow ring: %d bytes not handed over at close", self.waiting)
+            self._backlog.clear()
+        self.transport.close()  # its end wakes an idle reader
+        self.ring.close()
+
+
+class RingReceiver(asyncio.Protocol):
+    """The reading side, on the worker's event loop: `on_batch(list)` per message, read on a
+    timer while messages come and on a wake-up byte after; `on_end()` once the pipe closes (the
+    ring read a last time), or when the ring holds something that is not ours."""
+
+    def __init__(self, ring: shm_ring.RingReader, on_batch: Callable[[list[Any]], None],
+                 on_end: Callable[[], None]) -> None:
+        self.ring = ring
+        self.on_batch, self.on_end = on_batch, on_end
+        self.loop = asyncio.get_running_loop()
+        self._quiet_since = time.monotonic()
+        self._timer: asyncio.Handle | None = self.loop.call_soon(self._poll)
+        self._delay = shm_ring.BUSY_POLL_S
+        self._idle = False
+        self._ended = False
+
+    def data_received(self, data: bytes) -> None:
+        self._busy(time.monotonic())
+        self._poll()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._ended:
+            self._read()  # what was written before the end
+            self._end()
+
+    def _read(self) -> bool:
+        try:
+            messages = self.ring.read()
+            for message in messages:
+                self.on_batch(pickle.loads(message))
+        except Exception:  # noqa: BLE001 - whatever a corrupt message raises, the ring is done
+            log.error("shadow ring: a message that does not unpickle; stopping")
+            self._end()
+            return False
+        return bool(messages)
+
+    def _poll(self) -> None:
+        if self._ended:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        now = time.monotonic()
+        if self._read():
+            self._busy(now)
+        elif not self._idle and now - self._quiet_since >= shm_ring.IDLE_AFTER_S:
+            self._idle = True
+            self.ring.set_state(shm_ring.IDLE)
+            if self._read():  # arrived as it went idle
+                self._busy(now)
+        else:
+            self._delay = min(2 * self._delay, shm_ring.MAX_POLL_S)
+        if not self._ended:
+            delay = shm_ring.IDLE_POLL_S if self._idle else self._delay
+            self._timer = self.loop.call_later(delay, self._poll)
+
+    def _busy(self, now: float) -> None:
+        self._quiet_since = now
+        self._delay = shm_ring.BUSY_POLL_S
+        if self._idle:
+            self._idle = False
+            self.ring.set_state(shm_ring.BUSY)
+
+    def _end(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.on_end()
+
+
 # ---- the worker process ----------------------------------------------------------------------
 class _Histogram:
     """Bucket counts (not cumulative; the last is +Inf) and the sum since the last batch."""
@@ -447,7 +586,7 @@ async def serve(stdin: IO[bytes], stdout: IO[bytes], ring_fd: int | None = None)
         ring = shm_ring.RingReader(ring_fd)
         os.close(ring_fd)  # the mapping keeps it
         await loop.connect_read_pipe(
-            lambda: shm_ring.RingReceiver(ring, worker.handle, ended.set), stdin)
+            lambda: RingReceiver(ring, worker.handle, ended.set), stdin)
     await ended.wait()  # the gateway closed our stdin
     for name in list(worker.targets):
         worker._retire(name)

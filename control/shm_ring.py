@@ -4,9 +4,10 @@ The gateway's event loop hands copies to the sender (control/shadow_worker.py) o
 turn. Down a pipe, each hand-off is a `write` system call and a wake-up of the other process;
 here it is a copy into shared memory and one 8-byte store, and the reader collects what has
 arrived on a timer while copies keep coming (`BUSY_POLL_S` after a look that found some, backing
-off to `MAX_POLL_S`). Only a reader that has gone idle
-(nothing for `IDLE_AFTER_S`) is woken, by one byte down the pipe that is also the lifeline (its
-end tells the worker that the gateway stopped or died).
+off to `MAX_POLL_S`). Only a reader that has gone idle (nothing for `IDLE_AFTER_S`) is woken, by
+one byte down the pipe that is also the lifeline (its end tells the worker that the gateway
+stopped or died). This module is the shared memory; the event-loop sides that use it are
+control/shadow_worker.py's `RingSender` (the gateway) and `RingReceiver` (the worker).
 
 Layout of the shared file (a memfd, passed to the child as an inherited descriptor):
 
@@ -29,17 +30,11 @@ long in the hand-off (it is counted in the copy's queue wait, never in its laten
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import mmap
 import os
-import pickle
 import platform
 import struct
-import time
-from collections import deque
-from collections.abc import Callable
-from typing import Any
 
 log = logging.getLogger("fairgate.shadow")
 
@@ -174,158 +169,3 @@ class RingReader(_Ring):
 
     def set_state(self, state: int) -> None:
         self._slots[_STATE] = state
-
-
-class RingSender:
-    """Items put on the gateway's event loop, pickled once per loop turn into the ring (as
-    FrameSender does down a pipe; the same `put`, `put_many`, `broken` and `close`). What the
-    ring cannot take yet waits here, in order, and is retried; the callers bound how much."""
-
-    def __init__(self, ring: RingWriter, wake: asyncio.WriteTransport,
-                 max_part: int = MAX_PART) -> None:
-        self.ring = ring
-        self.wake = wake
-        self.max_part = max_part
-        self.loop = asyncio.get_running_loop()
-        self._items: list[Any] = []
-        self._backlog: deque[memoryview] = deque()
-        self._retry: asyncio.TimerHandle | None = None
-
-    @classmethod
-    async def open(cls, ring: RingWriter, pipe: Any) -> RingSender:
-        transport, _ = await asyncio.get_running_loop().connect_write_pipe(asyncio.Protocol, pipe)
-        return cls(ring, transport)
-
-    @property
-    def broken(self) -> bool:
-        return self.wake.is_closing()
-
-    @property
-    def waiting(self) -> int:
-        """Bytes not in the ring yet (it was full)."""
-        return sum(len(m) for m in self._backlog)
-
-    def put(self, item: Any) -> None:
-        if not self._items:
-            self.loop.call_soon(self._flush)
-        self._items.append(item)
-
-    def put_many(self, items: list[Any]) -> None:
-        if items and not self._items:
-            self.loop.call_soon(self._flush)
-        self._items.extend(items)
-
-    def _flush(self) -> None:
-        items, self._items = self._items, []
-        if items and not self.wake.is_closing():
-            data = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
-            self._backlog.append(memoryview(data))
-            self._drain()
-
-    def _retried(self) -> None:
-        self._retry = None
-        self._drain()
-
-    def _drain(self) -> None:
-        wrote = False
-        backlog = self._backlog
-        while backlog:
-            message = backlog[0]
-            part = message[:self.max_part]
-            more = len(message) > self.max_part
-            if not self.ring.write(part, more):
-                break
-            wrote = True
-            if more:
-                backlog[0] = message[self.max_part:]
-            else:
-                backlog.popleft()
-        if backlog and self._retry is None and not self.wake.is_closing():
-            self._retry = self.loop.call_later(RETRY_S, self._retried)
-        if wrote and self.ring.wake_wanted():
-            self.wake.write(b"\0")
-
-    def close(self) -> None:
-        """Write what is queued and fits, then close the pipe (the reader's end of input);
-        what the ring cannot take is dropped with the worker, which is stopping."""
-        self._flush()
-        if self._retry is not None:
-            self._retry.cancel()
-            self._retry = None
-        if self._backlog:
-            log.warning("shadow ring: %d bytes not handed over at close", self.waiting)
-            self._backlog.clear()
-        self.wake.close()  # its end wakes an idle reader
-        self.ring.close()
-
-
-class RingReceiver(asyncio.Protocol):
-    """The reading side, on the worker's event loop: `on_batch(list)` per message, read on a
-    timer while messages come and on a wake-up byte after; `on_end()` once the pipe closes (the
-    ring read a last time), or when the ring holds something that is not ours."""
-
-    def __init__(self, ring: RingReader, on_batch: Callable[[list[Any]], None],
-                 on_end: Callable[[], None]) -> None:
-        self.ring = ring
-        self.on_batch, self.on_end = on_batch, on_end
-        self.loop = asyncio.get_running_loop()
-        self._quiet_since = time.monotonic()
-        self._timer: asyncio.Handle | None = self.loop.call_soon(self._poll)
-        self._delay = BUSY_POLL_S
-        self._idle = False
-        self._ended = False
-
-    def data_received(self, data: bytes) -> None:
-        self._busy(time.monotonic())
-        self._poll()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self._ended:
-            self._read()  # what was written before the end
-            self._end()
-
-    def _read(self) -> bool:
-        try:
-            messages = self.ring.read()
-            for message in messages:
-                self.on_batch(pickle.loads(message))
-        except Exception:  # noqa: BLE001 - whatever a corrupt message raises, the ring is done
-            log.error("shadow ring: a message that does not unpickle; stopping")
-            self._end()
-            return False
-        return bool(messages)
-
-    def _poll(self) -> None:
-        if self._ended:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        now = time.monotonic()
-        if self._read():
-            self._busy(now)
-        elif not self._idle and now - self._quiet_since >= IDLE_AFTER_S:
-            self._idle = True
-            self.ring.set_state(IDLE)
-            if self._read():  # arrived as it went idle
-                self._busy(now)
-        else:
-            self._delay = min(2 * self._delay, MAX_POLL_S)
-        if not self._ended:
-            delay = IDLE_POLL_S if self._idle else self._delay
-            self._timer = self.loop.call_later(delay, self._poll)
-
-    def _busy(self, now: float) -> None:
-        self._quiet_since = now
-        self._delay = BUSY_POLL_S
-        if self._idle:
-            self._idle = False
-            self.ring.set_state(BUSY)
-
-    def _end(self) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.on_end()

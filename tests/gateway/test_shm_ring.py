@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 import control.shadow
 from control import shm_ring
+from control.shadow_worker import RingReceiver, RingSender
 from tests.support.waiting import next_loop_turn, wait_for
 
 pytestmark = pytest.mark.skipif(not shm_ring.SUPPORTED,
@@ -69,7 +70,7 @@ async def test_every_batch_arrives_whole_and_in_order(sizes: list[int],
     wait in the sender's backlog while the reader reads at its own pace."""
     fd = shm_ring.create(1024)
     try:
-        sender = shm_ring.RingSender(shm_ring.RingWriter(fd), _Pipe(),  # type: ignore[arg-type]
+        sender = RingSender(shm_ring.RingWriter(fd), _Pipe(),  # type: ignore[arg-type]
                                      max_part=300)
         reader = shm_ring.RingReader(fd)
         items = [("copy", "s", f"r{i}", {"prompt": "x" * n}) for i, n in enumerate(sizes)]
@@ -99,10 +100,10 @@ async def test_an_idle_reader_is_woken_once(ring_fd: Any,
     monkeypatch.setattr(shm_ring, "IDLE_POLL_S", 3600.0)  # only the wake-up can bring it
     fd = ring_fd()
     wake = _Pipe()
-    sender = shm_ring.RingSender(shm_ring.RingWriter(fd), wake)  # type: ignore[arg-type]
+    sender = RingSender(shm_ring.RingWriter(fd), wake)  # type: ignore[arg-type]
     got: list[Any] = []
     ended: list[bool] = []
-    receiver = shm_ring.RingReceiver(shm_ring.RingReader(fd), got.extend,
+    receiver = RingReceiver(shm_ring.RingReader(fd), got.extend,
                                      lambda: ended.append(True))
     await wait_for(lambda: sender.ring._slots[16] == shm_ring.IDLE)
     sender.put(("copy", 1))
@@ -127,7 +128,7 @@ async def test_a_missed_wake_up_costs_one_idle_poll(ring_fd: Any,
     fd = ring_fd()
     writer = shm_ring.RingWriter(fd)
     got: list[Any] = []
-    shm_ring.RingReceiver(shm_ring.RingReader(fd), got.extend, lambda: None)
+    RingReceiver(shm_ring.RingReader(fd), got.extend, lambda: None)
     await wait_for(lambda: writer._slots[16] == shm_ring.IDLE)
     assert writer.write(pickle.dumps([("copy", 7)]))  # and no wake-up byte
     await wait_for(lambda: got == [("copy", 7)], timeout=5)
@@ -138,7 +139,7 @@ async def test_a_corrupt_ring_ends_the_reader(ring_fd: Any) -> None:
     writer = shm_ring.RingWriter(fd)
     got: list[Any] = []
     ended: list[bool] = []
-    receiver = shm_ring.RingReceiver(shm_ring.RingReader(fd), got.extend,
+    receiver = RingReceiver(shm_ring.RingReader(fd), got.extend,
                                      lambda: ended.append(True))
     assert writer.write(b"not a pickle")
     receiver.data_received(b"\0")
@@ -166,7 +167,7 @@ async def test_the_gateway_uses_the_ring_and_falls_back_to_the_pipe(
         try:
             assert worker is not None
             assert ("--ring-fd" in worker.args) is supported
-            assert isinstance(shadows._out, shm_ring.RingSender) is supported
+            assert isinstance(shadows._out, RingSender) is supported
             mirror = shadows.mirrors["cand"]
             mirror.pending["r1"] = control.shadow.Pair("acme", SLO())
             mirror.outstanding += 1
