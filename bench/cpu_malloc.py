@@ -61,7 +61,7 @@ def measure(requests: int) -> dict[str, object]:
 
     for i in range(4):
         one(64, i)
-    out: dict[str, object] = {"malloc": host_memory._state}
+    out: dict[str, object] = {"malloc": host_memory.state()}
     for prompt in PROMPTS:
         runs = [one(prompt, i) for i in range(requests)]
         out[str(prompt)] = {

@@ -42,6 +42,11 @@ def keep_step_memory() -> str:
     return _state
 
 
+def state() -> str | None:
+    """What `keep_step_memory` did in this process, in words; None before it ran."""
+    return _state
+
+
 def _apply() -> str:
     if not sys.platform.startswith("linux"):
         return "malloc left as it is (not Linux)"

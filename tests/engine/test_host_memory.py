@@ -32,7 +32,7 @@ def _prefill_faults(engine: LLMEngine, i: int) -> int:
 
 def test_a_cpu_prefill_does_not_fault_its_activations_in_afresh() -> None:
     engine = LLMEngine(EngineConfig(model="random:tiny", max_num_batched_tokens=512))
-    state = host_memory._state  # set by the CPU executor's start (once per process)
+    state = host_memory.state()  # set by the CPU executor's start (once per process)
     assert state is not None
     if not state.startswith("freed step memory kept"):
         pytest.skip(f"not applied here: {state}")
