@@ -59,7 +59,7 @@ class RunnerOptions:
 class SimRunner:
     """In process, on the simulated executor's virtual clock (`tuner.simulate`). The user's
     executor is kept in best.yaml; trials simulate `sim_model` on `sim_hardware`. No trial
-    runs more than SIM_TRIAL_WALL_S of real time (one that does is infeasible, with why)."""
+    runs more than SIM_TRIAL_CPU_S of CPU time (one that does is infeasible, with why)."""
 
     def __init__(self, options: RunnerOptions | None = None) -> None:
         del options  # everything sim needs is in the config
@@ -71,11 +71,11 @@ class SimRunner:
             stop: StopRule) -> TrialRun:
         from tuner.simulate import simulate
 
-        return simulate(config, requests, stop=stop, max_wall_s=SIM_TRIAL_WALL_S)
+        return simulate(config, requests, stop=stop, max_cpu_s=SIM_TRIAL_CPU_S)
 
     def finish(self, winner: EngineConfig | None) -> None:
         del winner  # nothing outside this process changed
-SIM_TRIAL_WALL_S = 300.0  # a 2,000-request trial takes about a second
+SIM_TRIAL_CPU_S = 300.0  # a 2,000-request trial takes about a second
 
 
 def _replay_runner(options: RunnerOptions) -> TrialRunner:

@@ -42,11 +42,13 @@ class SimResult:
 
 def simulate(config: EngineConfig, requests: Sequence[TraceRequest], *,
              stop: StopRule | None = None, check_every: int = 50,
-             max_wall_s: float | None = None) -> SimResult:
+             max_cpu_s: float | None = None) -> SimResult:
     """Replay `requests` through a sim engine built from `config` (virtual clock).
 
-    `max_wall_s`: real seconds after which the run is stopped (the rest failed), so no trial
-    runs unbounded; an engine that only preempts, never running anything, is stopped too.
+    `max_cpu_s`: seconds of this process's CPU time after which the run is stopped (the rest
+    failed), so no trial runs unbounded (CPU, not wall-clock time: a machine that is busy with
+    other work, or a process that is stopped for a while, does not fail a trial that would
+    have finished); an engine that only preempts, never running anything, is stopped too.
 
     `stop` sees the timings of the finished requests (refused ones included) every
     `check_every` finishes; a reason it returns aborts the rest of the run. ValueError when
@@ -64,7 +66,7 @@ def simulate(config: EngineConfig, requests: Sequence[TraceRequest], *,
         engine = LLMEngine(config, clock=VirtualClock(first_arrival))
     except (ValueError, RuntimeError) as error:
         raise ValueError(str(error)) from None
-    replay = Replay(engine, requests, stop, check_every, max_wall_s)
+    replay = Replay(engine, requests, stop, check_every, max_cpu_s)
     stopped = replay.run()
     return SimResult(timings=replay.timings(), elapsed_s=replay.last_end - first_arrival,
                      stopped=stopped, steps=replay.steps,
@@ -78,10 +80,11 @@ class Replay:
     what tuner/fidelity.py replays on the wall clock)."""
 
     def __init__(self, engine: LLMEngine, requests: Sequence[TraceRequest],
-                 stop: StopRule | None, check_every: int, max_wall_s: float | None) -> None:
+                 stop: StopRule | None, check_every: int, max_cpu_s: float | None) -> None:
         self.engine = engine
-        self.max_wall_s = max_wall_s
+        self.max_cpu_s = max_cpu_s
         self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
         self.clock = engine.clock
         self.requests = requests
         # arrival order, workload order among equal arrivals (sorted is stable)
@@ -122,10 +125,10 @@ class Replay:
                                         "it could not schedule")
             fruitless = 0
             self.steps += 1
-            if self.max_wall_s is not None and self.steps % 256 == 0 and \
-                    time.perf_counter() - self.started > self.max_wall_s:
-                return self._abort_rest(f"the simulation ran past {self.max_wall_s:g} s of "
-                                        "real time")
+            if self.max_cpu_s is not None and self.steps % 256 == 0 and \
+                    time.process_time() - self.cpu_started > self.max_cpu_s:
+                return self._abort_rest(f"the simulation ran past {self.max_cpu_s:g} s of "
+                                        "CPU time")
             for request_id in output.finished:
                 self._finish(request_id)
             reason = self._check_stop()

@@ -210,8 +210,20 @@ def test_every_request_gets_one_ordered_timing(
             assert timing.token_times == ()
 
 
-def test_a_run_past_its_wall_budget_is_stopped_with_the_reason() -> None:
-    result = simulate(SIM, poisson(3000, rate=40.0), max_wall_s=0.0)
-    assert result.stopped is not None and "real time" in result.stopped
+def test_a_run_past_its_cpu_budget_is_stopped_with_the_reason() -> None:
+    result = simulate(SIM, poisson(3000, rate=40.0), max_cpu_s=0.0)
+    assert result.stopped is not None and "s of CPU time" in result.stopped
     assert 0 < sum(t.ok for t in result.timings) < 3000  # cut off, the rest failed
     assert len(result.timings) == 3000
+
+
+def test_a_stopped_process_does_not_fail_its_trial(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget is CPU time: wall-clock time that passes while the process is not running
+    (stopped, or waiting for a busy machine's cores) does not count. Here the wall clock
+    jumps an hour at every reading."""
+    import tuner.simulate
+
+    jumps = iter(range(0, 10**9, 3600))
+    monkeypatch.setattr(tuner.simulate.time, "perf_counter", lambda: float(next(jumps)))
+    result = simulate(SIM, poisson(300, rate=40.0), max_cpu_s=300.0)
+    assert result.stopped is None and all(t.ok for t in result.timings)
