@@ -278,12 +278,18 @@ class RingReceiver(asyncio.Protocol):
     def _read(self) -> bool:
         try:
             messages = self.ring.read()
-            for message in messages:
-                self.on_batch(pickle.loads(message))
-        except Exception:  # noqa: BLE001 - whatever a corrupt message raises, the ring is done
-            log.error("shadow ring: a message that does not unpickle; stopping")
+        except ValueError as exc:  # a part that runs past what was written
+            log.error("shadow ring: %s; stopping", exc)
             self._end()
             return False
+        for message in messages:
+            try:
+                batch = pickle.loads(message)
+            except Exception:  # noqa: BLE001 - whatever a corrupt message raises, it is done
+                log.error("shadow ring: a message that does not unpickle; stopping")
+                self._end()
+                return False
+            self.on_batch(batch)
         return bool(messages)
 
     def _poll(self) -> None:
