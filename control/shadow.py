@@ -4,8 +4,8 @@ latency paired with the live request it copies.
 The live path only calls `ShadowSet.offer` (after admission) and `ShadowSet.live_done` (in
 settle); both are a few dict and deque operations, never I/O, and never wait. The copies are
 sent from a child process (control/shadow_worker.py), fed through a shared-memory ring
-(control/shm_ring.py; a pipe where that is not supported) once per loop turn: their HTTP round trips, stream parsing and histogram observations never run on the live event
-loop. Each target holds at most `max_queue + max_inflight` copies not yet answered; a copy
+(control/shm_ring.py; a pipe where that is not supported) once per loop turn: their HTTP round
+trips, stream parsing and histogram observations never run on the live event loop. Each target holds at most `max_queue + max_inflight` copies not yet answered; a copy
 beyond that is dropped and counted, so a slow, failing or dead shadow changes nothing for live
 clients. Copies never touch a tenant's rate windows, queues, fair-share counters or usage
 ledger: they go straight to the shadow.
@@ -444,7 +444,12 @@ class ShadowSet(RequestObserver):
     async def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
         command = [sys.executable, "-m", "control.shadow_worker"]
-        ring = shm_ring.create() if shm_ring.wanted() else None
+        ring = None
+        if shm_ring.wanted():
+            try:
+                ring = shm_ring.create()
+            except OSError as exc:  # memfd refused (a sandbox's seccomp, a memory limit)
+                log.warning("shadow copies go down a pipe: no shared-memory ring (%s)", exc)
         try:
             worker = self.worker = subprocess.Popen(
                 command if ring is None else [*command, "--ring-fd", str(ring)],

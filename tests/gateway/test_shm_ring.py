@@ -185,3 +185,25 @@ def test_a_transport_that_is_neither_is_named_and_the_default_kept(
     monkeypatch.setenv(shm_ring.TRANSPORT_ENV, "shm")
     assert shm_ring.wanted() is True
     assert "$FAIRGATE_SHADOW_TRANSPORT is 'shm', not ring or pipe" in caplog.text
+
+
+async def test_a_ring_that_cannot_be_made_leaves_the_pipe(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from control.shadow_metrics import ShadowMetrics
+    from gateway.config import ShadowConfig
+
+    def refused(capacity: int = 0) -> int:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.delenv(shm_ring.TRANSPORT_ENV, raising=False)
+    monkeypatch.setattr(shm_ring, "create", refused)
+    shadows = control.shadow.ShadowSet(
+        [ShadowConfig(name="cand", url="http://127.0.0.1:9/v1", model="m")],
+        ShadowMetrics(CollectorRegistry()))
+    await shadows.start()
+    try:
+        assert shadows.worker is not None and "--ring-fd" not in shadows.worker.args
+        assert not isinstance(shadows._out, RingSender)
+        assert "no shared-memory ring (" in caplog.text
+    finally:
+        await shadows.close()
