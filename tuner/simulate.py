@@ -83,7 +83,6 @@ class Replay:
                  stop: StopRule | None, check_every: int, max_cpu_s: float | None) -> None:
         self.engine = engine
         self.max_cpu_s = max_cpu_s
-        self.started = time.perf_counter()
         self.cpu_started = time.process_time()
         self.clock = engine.clock
         self.requests = requests
