@@ -52,6 +52,11 @@ GRID_PROMPTS = (24, 90, 250, 500, 1000)
 MIX_CONCURRENCY = (2, 6, 16)  # the mixes fitted
 HELD_OUT_CONCURRENCY = 4  # the mix held out
 MIN_PROMPT, MIN_OUTPUT = 16, 4  # a mix's shortest request
+# Outputs long enough that most decodes are measured in their steady state: the few decode
+# steps right after a prefill run slower (the prefill's activations have left the caches), and
+# with 12-token grid outputs and mixes to 48 they were most of what the fit saw, so it read
+# serving's decodes 4-12% long (bench/RESULTS.md, issue 24). Twice the steps, about a minute.
+GRID_OUTPUT, STAGGERED_OUTPUT, MIX_OUTPUT = 32, 40, 96
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ class Mix:
     requests: int
     concurrency: int
     max_prompt_tokens: int
-    max_output_tokens: int = 48
+    max_output_tokens: int = 96
     seed: int = 0
 
     def lengths(self) -> list[tuple[int, int]]:
@@ -117,17 +122,18 @@ def default_design(config: EngineConfig, max_position: int,
                    max_phase_tokens: int = 4096) -> Design:
     """Grid phases of `GRID_BATCHES` x `GRID_PROMPTS` (within max_num_seqs and max_model_len),
     at once and staggered, each at most `max_phase_tokens` of prompt, plus mixes at
-    `MIX_CONCURRENCY`; held out, a mix at `HELD_OUT_CONCURRENCY`. About a thousand steps a
-    round; three take about 30 s on 2 idle CPU cores with random:tiny at the default knobs (minutes when other processes share the cores)."""
+    `MIX_CONCURRENCY`; held out, a mix at `HELD_OUT_CONCURRENCY`. About two thousand steps a
+    round; three take about a minute on 2 idle CPU cores with random:tiny at the default knobs
+    (minutes when other processes share the cores)."""
     limit = min(config.max_model_len or max_position, max_position)
     prompts = [p for p in GRID_PROMPTS if p + 24 <= limit] or [max(limit // 2, 1)]
     batches = sorted({min(b, config.max_num_seqs) for b in GRID_BATCHES})
-    train: list[CalibrationPhase] = [Phase(b, p, output_tokens=12) for p in prompts
+    train: list[CalibrationPhase] = [Phase(b, p, output_tokens=GRID_OUTPUT) for p in prompts
                                      for b in batches if b * p <= max_phase_tokens]
     for p in prompts:
         batch = max(1, min(max(batches), max_phase_tokens // p))
-        train.append(Phase(batch, p, output_tokens=20, staggered=True))
-    max_output = max(MIN_OUTPUT, min(48, limit // 4))
+        train.append(Phase(batch, p, output_tokens=STAGGERED_OUTPUT, staggered=True))
+    max_output = max(MIN_OUTPUT, min(MIX_OUTPUT, limit // 4))
     mixes = [_mix(c, max(prompts), max_output, max_phase_tokens, config.max_num_seqs, seed)
              for seed, c in enumerate((HELD_OUT_CONCURRENCY, *MIX_CONCURRENCY))]
     return Design([*train, *mixes[1:]], mixes[:1])
