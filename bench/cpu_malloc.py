@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the repository
 
 from bench.common import machine  # noqa: E402
+from engine import host_memory  # noqa: E402
 
 PROMPTS = (128, 300, 480)
 DEFAULTS_ENV = {"GLIBC_TUNABLES": "glibc.malloc.check=0"}  # no-op: malloc stays glibc's own
@@ -35,7 +36,6 @@ def measure(requests: int) -> dict[str, object]:
     """In this process: per prompt length, median prefill and decode step times and faults."""
     import torch
 
-    from engine import host_memory
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
@@ -87,8 +87,7 @@ def main() -> int:
     for round_ in range(args.rounds):
         for label in labels[round_ % 2:] + labels[:round_ % 2]:
             env = dict(os.environ)
-            for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                         "GLIBC_TUNABLES"):
+            for name in host_memory.OPERATOR_ENV:
                 env.pop(name, None)
             if label != labels[0]:
                 env.update(DEFAULTS_ENV)

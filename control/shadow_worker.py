@@ -142,6 +142,12 @@ class FrameReader(asyncio.Protocol):
             self.on_end()
 
 
+async def write_transport(pipe: IO[bytes]) -> asyncio.WriteTransport:
+    """The running loop's non-blocking write transport over `pipe`."""
+    transport, _ = await asyncio.get_running_loop().connect_write_pipe(asyncio.Protocol, pipe)
+    return transport
+
+
 class FrameSender:
     """Items put on an event loop, written to a pipe as one frame per loop turn: `put` is a list
     append, and the pickling and the write come once for all that turn's items. The transport
@@ -154,8 +160,7 @@ class FrameSender:
 
     @classmethod
     async def open(cls, pipe: IO[bytes]) -> FrameSender:
-        transport, _ = await asyncio.get_running_loop().connect_write_pipe(asyncio.Protocol, pipe)
-        return cls(transport)
+        return cls(await write_transport(pipe))
 
     @property
     def broken(self) -> bool:
@@ -174,8 +179,11 @@ class FrameSender:
     def _flush(self) -> None:
         items, self._items = self._items, []
         if items and not self.transport.is_closing():
-            data = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
-            self.transport.write(_HEADER.pack(len(data)) + data)
+            self._send(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send(self, data: bytes) -> None:
+        """One turn's pickled batch, as a length-prefixed frame down the pipe."""
+        self.transport.write(_HEADER.pack(len(data)) + data)
 
     def close(self) -> None:
         """Write what is queued, then close (the other side reads the end of the pipe)."""
@@ -198,20 +206,17 @@ class RingSender(FrameSender):
 
     @classmethod
     async def open_ring(cls, ring: shm_ring.RingWriter, pipe: IO[bytes]) -> RingSender:
-        transport, _ = await asyncio.get_running_loop().connect_write_pipe(asyncio.Protocol, pipe)
-        return cls(ring, transport)
+        return cls(ring, await write_transport(pipe))
 
     @property
     def waiting(self) -> int:
         """Bytes not in the ring yet (it was full)."""
         return sum(len(m) for m in self._backlog)
 
-    def _flush(self) -> None:
-        items, self._items = self._items, []
-        if items and not self.transport.is_closing():
-            data = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
-            self._backlog.append(memoryview(data))
-            self._drain()
+    def _send(self, data: bytes) -> None:
+        """One turn's pickled batch, into the ring behind what waits already."""
+        self._backlog.append(memoryview(data))
+        self._drain()
 
     def _retried(self) -> None:
         self._retry = None

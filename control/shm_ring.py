@@ -77,6 +77,8 @@ def create(capacity: int = RING_BYTES) -> int:
 
 
 class _Ring:
+    """A ring's file mapped into this process: its header slots and its data."""
+
     def __init__(self, fd: int) -> None:
         size = os.fstat(fd).st_size
         self.capacity = size - _HEADER_BYTES
@@ -86,6 +88,11 @@ class _Ring:
         self._slots = memoryview(self._map)[:_HEADER_BYTES].cast("Q")
         self._data = memoryview(self._map)[_HEADER_BYTES:]
         self._mask = self.capacity - 1
+
+    @property
+    def reader_state(self) -> int:
+        """BUSY, IDLE or WAKING: the reader's, as it last said (or a writer since)."""
+        return self._slots[_STATE]
 
     def close(self) -> None:
         self._slots.release()
@@ -123,7 +130,7 @@ class RingWriter(_Ring):
 
     def wake_wanted(self) -> bool:
         """True once per idle spell of the reader: it asked to be woken, and nobody has yet."""
-        if self._slots[_STATE] != IDLE:
+        if self.reader_state != IDLE:
             return False
         self._slots[_STATE] = WAKING
         return True

@@ -28,18 +28,18 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt pa
 SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20),  # glibc's largest: smaller blocks come from the heap
             (M_TRIM_THRESHOLD, 1 << 30),  # the heap's free top is handed back past 1 GiB
             (M_TOP_PAD, 64 << 20))  # and grows 64 MiB at a time
-_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-        "GLIBC_TUNABLES")
+# the operator's own malloc settings: any of them set leaves malloc to them
+OPERATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                "GLIBC_TUNABLES")
 _state: str | None = None
 
 
-def keep_step_memory() -> str:
-    """Set glibc's malloc as above (once per process); what was done, in words."""
+def keep_step_memory() -> None:
+    """Set glibc's malloc as above, once per process (`state()` says what was done)."""
     global _state
     if _state is None:
         _state = _apply()
         logger.info("host memory: %s", _state)
-    return _state
 
 
 def state() -> str | None:
@@ -50,7 +50,7 @@ def state() -> str | None:
 def _apply() -> str:
     if not sys.platform.startswith("linux"):
         return "malloc left as it is (not Linux)"
-    chosen = [name for name in _ENV if os.environ.get(name)]
+    chosen = [name for name in OPERATOR_ENV if os.environ.get(name)]
     if chosen:
         return f"malloc left to ${chosen[0]}"
     try:

@@ -88,7 +88,7 @@ class Mix:
     requests: int
     concurrency: int
     max_prompt_tokens: int
-    max_output_tokens: int = 96
+    max_output_tokens: int = MIX_OUTPUT
     seed: int = 0
 
     def lengths(self) -> list[tuple[int, int]]:

@@ -105,7 +105,7 @@ async def test_an_idle_reader_is_woken_once(ring_fd: Any,
     ended: list[bool] = []
     receiver = RingReceiver(shm_ring.RingReader(fd), got.extend,
                                      lambda: ended.append(True))
-    await wait_for(lambda: sender.ring._slots[16] == shm_ring.IDLE)
+    await wait_for(lambda: sender.ring.reader_state == shm_ring.IDLE)
     sender.put(("copy", 1))
     await next_loop_turn()
     sender.put(("copy", 2))
@@ -129,7 +129,7 @@ async def test_a_missed_wake_up_costs_one_idle_poll(ring_fd: Any,
     writer = shm_ring.RingWriter(fd)
     got: list[Any] = []
     RingReceiver(shm_ring.RingReader(fd), got.extend, lambda: None)
-    await wait_for(lambda: writer._slots[16] == shm_ring.IDLE)
+    await wait_for(lambda: writer.reader_state == shm_ring.IDLE)
     assert writer.write(pickle.dumps([("copy", 7)]))  # and no wake-up byte
     await wait_for(lambda: got == [("copy", 7)], timeout=5)
 
