@@ -2,7 +2,8 @@
 
     python bench/scheduler.py [--steps 300] [--repeats 3] [--baseline REV | --baseline none]
 
-Sim executor, prefix caching on, every running request decoding. Prints the median and p99 per
+Sim executor, prefix caching on, every running request decoding; the garbage collector set as
+`fairgate engine` sets it (`engine.server.size_young_generation`) where the tree has it. Prints the median and p99 per
 step at 256 running / 1,024 waiting and at 1,024 running / 1,024 waiting, microseconds per running
 request, and the 1,024/256 cost ratio (4.0 = linear), for this tree and for a baseline: the
 engine at REV (default: the commit before issue 28's scheduler work), unpacked with `git archive`
@@ -46,6 +47,12 @@ def measure(running: int, waiting: int, steps: int) -> list[float]:
         enable_prefix_caching=True,
     )
     engine = LLMEngine(config)
+    try:  # the collector as `fairgate engine` sets it, in trees that set it
+        from engine.server import size_young_generation
+    except ImportError:
+        pass
+    else:
+        size_young_generation(config.max_num_seqs)
     for i in range(running + waiting):
         prompt = [1 + (i % 7)] * 64 + [100 + (i % 500)] * 64  # shared 64-token prefixes
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4000, ignore_eos=True))

@@ -133,7 +133,12 @@ def build_access(args: argparse.Namespace, environ: Mapping[str, str]) -> Engine
 
 def run(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
-    from engine.server import freeze_startup_heap, install_fast_event_loop, make_app
+    from engine.server import (
+        freeze_startup_heap,
+        install_fast_event_loop,
+        make_app,
+        size_young_generation,
+    )
 
     setup_logging(args.log_level.upper())
     if not 0 < args.port < 65536:
@@ -147,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
     app.on_startup.append(freeze_startup_heap)  # after the engine context started
     install_fast_event_loop()
     log = logging.getLogger("fairgate.engine")
+    log.info("garbage collector: young generation %d objects (max_num_seqs %d)",
+             size_young_generation(config.max_num_seqs), config.max_num_seqs)
     if access.api_key is None and not is_loopback(args.host):  # allow_unauthenticated
         log.warning("no api key: /v1/*, /load and /stats are open to whoever reaches %s",
                     args.host)

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from control.app import make_app
-from engine.server import freeze_startup_heap, install_fast_event_loop
+from engine.server import freeze_startup_heap, install_fast_event_loop, size_young_generation
 from fairgate.config import FairgateConfig
 from gateway.app import DEMO_TENANT, make_metrics_app, server_options
 from gateway.config import ADMIN_KEY_ENV
@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"metrics on http://{metrics_host}:{metrics_port}/metrics", flush=True)
 
     install_fast_event_loop()
+    if not config.gateway.backends:  # the engine steps in this process
+        size_young_generation(config.engine.max_num_seqs)
     # OSError (an address in use): the dispatcher's one line and exit 2
     serve(app, host, port, extra=extra, on_listening=listening, **server_options(settings))
     return 0

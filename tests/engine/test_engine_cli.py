@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.server import YOUNG_PER_SEQ
 from fairgate.cli import main
 from fairgate.engine_cli import build_config, parse_overrides
 from tests.support.processes import free_port, read_until, spawn_fairgate
@@ -50,11 +51,15 @@ def test_bad_configuration_is_one_line_and_exit_2(
 
 def test_engine_server_starts_serves_and_stops_on_sigint() -> None:
     port = free_port()
-    proc = spawn_fairgate("engine", "--port", str(port), *SIM, "--metrics-compat", "vllm")
+    proc = spawn_fairgate("engine", "--port", str(port), *SIM, "--metrics-compat", "vllm",
+                          "--set", "max_num_seqs=96")
     base = f"http://127.0.0.1:{port}"
     printed = b""
     try:
         printed = read_until(proc, b"serving ")  # logged once the port is open
+        # the collector sized for the engine's steps (tests/engine/test_young_generation.py)
+        assert (f"young generation {YOUNG_PER_SEQ * 96} objects (max_num_seqs 96)".encode()
+                in printed), printed
         with urllib.request.urlopen(f"{base}/healthz", timeout=5) as resp:
             assert resp.status == 200
         request = urllib.request.Request(
