@@ -2,11 +2,16 @@
 
     .venv/bin/python bench/sim_fidelity.py [--requests 300] [--rate 6] [--profile FILE]
                                           [--set KNOB=VALUE ...] [--save-profile FILE]
+                                          [--no-interleave] [--threads N]
 
 Calibrates the real engine (`fairgate tune calibrate`'s `tuner.calibrate.calibrate`; or loads
-`--profile`), then replays one synthetic workload (uniform prompt and output lengths, Poisson
+`--profile`) and replays one synthetic workload (uniform prompt and output lengths, Poisson
 arrivals) through (a) the real engine (TorchExecutor) in real time, arrivals honoured on the
-wall clock, and (b) `simulate()` on the sim executor with the profile and the same knobs. Prints
+wall clock, and (b) `simulate()` on the sim executor with the profile and the same knobs. By
+default the real replay is cut into one segment per calibration round and each segment runs
+right after its round (`--no-interleave`: the whole replay after the calibration), so a shared
+machine whose speed drifts over minutes drifts under the calibration and the replay alike; the
+simulator replays the same segments, and the figures pool them. Prints
 throughput (output tokens/s), p50/p99 TTFT and TPOT (each request's mean inter-token gap, the
 tuner's ITL) for both, the relative errors, and PASS/FAIL against issue 14's goals: within 10%
 for throughput and the p50s, 20% for the p99s. Exit status 1 when a goal is missed.
@@ -31,9 +36,12 @@ from tuner.fidelity import (  # noqa: E402
     GOALS,
     Figures,
     fidelity_figures,
+    pooled,
     replay_realtime,
+    segments,
     simulate_profiled,
 )
+from tuner.simulate import SimResult  # noqa: E402
 from tuner.traces import TraceRequest  # noqa: E402
 from tuner.workload import Lengths, LoadShape, Synthetic, build_requests  # noqa: E402
 
@@ -59,6 +67,9 @@ def main() -> int:
     parser.add_argument("--profile", help="use this profile instead of calibrating")
     parser.add_argument("--save-profile", help="keep the calibrated profile here")
     parser.add_argument("--repeats", type=int, default=3, help="calibration rounds")
+    parser.add_argument("--no-interleave", dest="interleave", action="store_false",
+                        help="calibrate first, then replay the whole workload (by default each "
+                             "calibration round is followed by a third of the replay)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for the real engine (default: torch's own); 1 is "
                              "steadier on a shared machine")
@@ -73,20 +84,37 @@ def main() -> int:
           f"{config.max_num_batched_tokens}; {len(requests)} requests at {args.rate:g}/s, prompts "
           f"{args.prompt_tokens}, outputs {args.output_tokens}; {machine()}, torch threads "
           f"{_threads()}")
+    # interleaved: round i of the calibration, then segment i of the replay, so the machine's
+    # drift over the minutes of a run (2-core shared VMs move 10-20%) falls on both alike
+    interleave = args.interleave and args.profile is None
+    parts = segments(requests, args.repeats if interleave else 1)
+    real_parts: list[SimResult] = []
+
+    def replay_next(_round: int = 0) -> None:
+        part = parts[len(real_parts)]
+        real_parts.append(replay_realtime(config, part))
+        print(f"  replayed segment {len(real_parts)}/{len(parts)}: {len(part)} requests, "
+              f"{real_parts[-1].wall_s:.1f} s", file=sys.stderr)
+
     with tempfile.TemporaryDirectory() as tmp:
         path = args.profile or args.save_profile or str(Path(tmp) / "profile.yaml")
         if args.profile is None:
             started = time.perf_counter()
             save_profile(calibrate(config, repeats=args.repeats,
-                                   progress=lambda line: print(f"  {line}", file=sys.stderr)),
+                                   progress=lambda line: print(f"  {line}", file=sys.stderr),
+                                   after_round=replay_next if interleave else None),
                          path)
             fit = load_profile(path).fit
-            print(f"calibrated in {time.perf_counter() - started:.1f} s: {fit}; "
+            print(f"calibrated in {time.perf_counter() - started:.1f} s"
+                  f"{' (the replay interleaved)' if interleave else ''}: {fit}; "
                   f"{check_fit(fit) or 'a good fit'}")
-        real = replay_realtime(config, requests)
-        sim = simulate_profiled(config, path, requests)
+        if not real_parts:
+            replay_next()
+        real = pooled(real_parts)
+        sim = pooled([simulate_profiled(config, path, part) for part in parts])
     print(f"real: {real.wall_s:.1f} s wall, {real.steps} steps, {real.preemptions} preemptions; "
-          f"sim: {sim.wall_s:.1f} s wall, {sim.steps} steps, {sim.preemptions} preemptions")
+          f"sim: {sim.wall_s:.1f} s wall, {sim.steps} steps, {sim.preemptions} preemptions; "
+          f"{len(parts)} segment{'s' if len(parts) > 1 else ''}")
     return report(fidelity_figures(real), fidelity_figures(sim))
 
 

@@ -275,11 +275,16 @@ def _relative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def calibrate(config: EngineConfig, design: Design | None = None, repeats: int = 3,
-              max_phase_tokens: int = 4096, progress: Progress | None = None) -> SimProfile:
+              max_phase_tokens: int = 4096, progress: Progress | None = None,
+              after_round: Callable[[int], None] | None = None) -> SimProfile:
     """Measure the real engine under `config` over `design` (default: `default_design`),
     `repeats` rounds, fit a profile of it on the design's training phases and judge the fit on
     its held-out ones (the profile's `fit`: `r2`, `median_rel_error` and `p90_rel_error` of
-    the held-out steps, `train_r2` and `train_median_rel_error` of the fitted ones)."""
+    the held-out steps, `train_r2` and `train_median_rel_error` of the fitted ones).
+
+    `after_round(i)` runs after round i (0-based) is measured: other work interleaved with the
+    rounds, so a machine whose speed drifts over minutes drifts under both alike (what
+    bench/sim_fidelity.py does with its replay)."""
     say = progress or (lambda _: None)
     say(f"loading {config.model} ...")
     calibrator = Calibrator(config)
@@ -287,7 +292,7 @@ def calibrate(config: EngineConfig, design: Design | None = None, repeats: int =
     design = design or default_design(engine.config, calibrator.recorder.max_position,
                                       max_phase_tokens)
     calibrator.run(Phase(4, 64, 4))  # warm-up: first calls allocate and pick kernels
-    rounds = measure(calibrator, design.phases, repeats, say)
+    rounds = measure(calibrator, design.phases, repeats, say, after_round)
     split = len(design.train)
     train = [round_[:split] for round_ in rounds]
     coefficients, in_sample = fit(median_over_rounds(train))
@@ -308,8 +313,10 @@ def calibrate(config: EngineConfig, design: Design | None = None, repeats: int =
 
 
 def measure(calibrator: Calibrator, phases: Sequence[CalibrationPhase], repeats: int,
-            say: Progress) -> list[list[list[Sample]]]:
-    """round -> phase -> steps: every phase once a round, `repeats` rounds."""
+            say: Progress, after_round: Callable[[int], None] | None = None,
+            ) -> list[list[list[Sample]]]:
+    """round -> phase -> steps: every phase once a round, `repeats` rounds; `after_round(i)`
+    after round i."""
     rounds: list[list[list[Sample]]] = []
     started = time.perf_counter()
     for round_ in range(repeats):
@@ -318,6 +325,8 @@ def measure(calibrator: Calibrator, phases: Sequence[CalibrationPhase], repeats:
             rounds[-1].append(calibrator.run(phase))
             say(f"round {round_ + 1}/{repeats}, phase {i}/{len(phases)} ({phase.describe()}): "
                 f"{sum(map(len, rounds[-1]))} steps, {time.perf_counter() - started:.1f} s")
+        if after_round is not None:
+            after_round(round_)
     return rounds
 
 

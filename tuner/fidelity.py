@@ -9,6 +9,7 @@ ended. `fidelity_figures` reduces either side's timings to the figures the goals
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -73,6 +74,30 @@ class Figures:
         """(this - real) / real, per figure of `GOALS`."""
         return {name: (getattr(self, name) - getattr(real, name)) / getattr(real, name)
                 for name in GOALS}
+
+
+def segments(requests: Sequence[TraceRequest], count: int) -> list[list[TraceRequest]]:
+    """`requests` cut into `count` runs of consecutive requests (as even as the count allows),
+    each with its arrivals shifted to start at 0: a workload replayed a part at a time, with
+    other work between the parts."""
+    if not 1 <= count <= max(1, len(requests)):
+        raise ValueError(f"cannot cut {len(requests)} requests into {count} segments")
+    bounds = [round(i * len(requests) / count) for i in range(count + 1)]
+    parts = []
+    for lo, hi in itertools.pairwise(bounds):
+        first = requests[lo].arrival if hi > lo else 0.0
+        parts.append([replace(r, arrival=r.arrival - first) for r in requests[lo:hi]])
+    return parts
+
+
+def pooled(results: Sequence[SimResult]) -> SimResult:
+    """Segments' results as one run: their requests together, their elapsed times added (so
+    throughput is tokens over the time the segments served), steps and preemptions summed."""
+    return SimResult(timings=[t for r in results for t in r.timings],
+                     elapsed_s=sum(r.elapsed_s for r in results),
+                     stopped=next((r.stopped for r in results if r.stopped), None),
+                     steps=sum(r.steps for r in results), wall_s=sum(r.wall_s for r in results),
+                     preemptions=sum(r.preemptions for r in results))
 
 
 def fidelity_figures(result: SimResult) -> Figures:

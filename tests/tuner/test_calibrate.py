@@ -308,3 +308,24 @@ def test_tune_runs_its_trials_on_a_profile(tmp_path: Path) -> None:
     assert f"sim_profile: {profile}" in best  # the winner keeps running on the profile
     # the space's max_model_len stops at the profiled engine's KV cache
     assert "max_model_len 1024..6000" in (out / "report.md").read_text()
+
+
+def test_after_round_runs_between_the_rounds(calibrator: Calibrator,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/sim_fidelity.py replays a segment after each round: the hook sees every round
+    done before it, and nothing of the next."""
+    phases = [Phase(1, 40, 4), Phase(2, 20, 4)]
+    held_out = Mix(requests=3, concurrency=2, max_prompt_tokens=40, max_output_tokens=4)
+    runs: list[str] = []
+    real_run = calibrator.run
+
+    def run(phase: Any) -> Any:
+        runs.append("phase")
+        return real_run(phase)
+
+    monkeypatch.setattr(calibrator, "run", run)
+    monkeypatch.setattr(calibration, "Calibrator", lambda config: calibrator)
+    calibration.calibrate(calibrator.engine.config, Design(phases, [held_out]), repeats=3,
+                          after_round=lambda i: runs.append(f"after {i}"))
+    per_round = ["phase"] * 3  # two fitted phases and the held-out mix
+    assert runs == ["phase", *per_round, "after 0", *per_round, "after 1", *per_round, "after 2"]
