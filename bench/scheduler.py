@@ -3,7 +3,7 @@
     python bench/scheduler.py [--steps 300] [--repeats 3] [--baseline REV | --baseline none]
 
 Sim executor, prefix caching on, every running request decoding; the garbage collector set as
-`fairgate engine` sets it (`engine.server.size_young_generation`) where the tree has it. Prints the median and p99 per
+`fairgate engine` sets it (`engine.heap.size_young_generation`) where the tree has it. Prints the median and p99 per
 step at 256 running / 1,024 waiting and at 1,024 running / 1,024 waiting, microseconds per running
 request, and the 1,024/256 cost ratio (4.0 = linear), for this tree and for a baseline: the
 engine at REV (default: the commit before issue 28's scheduler work), unpacked with `git archive`
@@ -48,7 +48,7 @@ def measure(running: int, waiting: int, steps: int) -> list[float]:
     )
     engine = LLMEngine(config)
     try:  # the collector as `fairgate engine` sets it, in trees that set it
-        from engine.server import size_young_generation
+        from engine.heap import size_young_generation
     except ImportError:
         pass
     else:

@@ -59,29 +59,6 @@ async def freeze_startup_heap(app: web.Application) -> None:
     atexit.register(gc.unfreeze)
 
 
-# Tracked objects a step allocates and frees per running request (its ScheduledRequest, its new
-# tokens' list, dict entries): at 1,024 running, about 2,000 a step.
-YOUNG_PER_SEQ = 20
-
-
-def size_young_generation(max_num_seqs: int) -> int:
-    """Raise the collector's young-generation threshold (CPython's default is 700 allocations)
-    to `YOUNG_PER_SEQ` x `max_num_seqs`, never lowering it, and return what it is now.
-
-    A step's short-lived objects are freed by the next step, so with room for them the young
-    generation is not collected inside steps; with 700, a step at 1,024 running collected it
-    about twice, and every tenth time the older generations too, each walk reaching every
-    running request: the step's p99 was 13 ms against a 1.3 ms median (bench/scheduler.py,
-    bench/RESULTS.md, issue 28). Long-running servers only, at startup: it is process-wide.
-    A collector switched off (threshold 0) stays off."""
-    gen0, gen1, gen2 = gc.get_threshold()
-    if gen0 == 0:
-        return 0
-    wanted = max(gen0, YOUNG_PER_SEQ * max_num_seqs)
-    gc.set_threshold(wanted, gen1, gen2)
-    return wanted
-
-
 def install_fast_event_loop() -> None:
     """Use uvloop when it is installed: it roughly halves the event loop's cost per request,
     which is most of a proxy's work."""

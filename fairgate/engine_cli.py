@@ -133,12 +133,8 @@ def build_access(args: argparse.Namespace, environ: Mapping[str, str]) -> Engine
 
 def run(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
-    from engine.server import (
-        freeze_startup_heap,
-        install_fast_event_loop,
-        make_app,
-        size_young_generation,
-    )
+    from engine.heap import size_young_generation
+    from engine.server import freeze_startup_heap, install_fast_event_loop, make_app
 
     setup_logging(args.log_level.upper())
     if not 0 < args.port < 65536:

@@ -7,7 +7,8 @@ import argparse
 import os
 
 from control.app import make_app
-from engine.server import freeze_startup_heap, install_fast_event_loop, size_young_generation
+from engine.heap import size_young_generation
+from engine.server import freeze_startup_heap, install_fast_event_loop
 from fairgate.config import FairgateConfig
 from gateway.app import DEMO_TENANT, make_metrics_app, server_options
 from gateway.config import ADMIN_KEY_ENV

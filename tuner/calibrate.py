@@ -32,6 +32,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.executor import Executor, KVCapacity, ModelOutput
+from engine.heap import serving_heap
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -292,7 +293,8 @@ def calibrate(config: EngineConfig, design: Design | None = None, repeats: int =
     design = design or default_design(engine.config, calibrator.recorder.max_position,
                                       max_phase_tokens)
     calibrator.run(Phase(4, 64, 4))  # warm-up: first calls allocate and pick kernels
-    rounds = measure(calibrator, design.phases, repeats, say, after_round)
+    with serving_heap(engine.config.max_num_seqs):  # the collector as `fairgate engine` has it
+        rounds = measure(calibrator, design.phases, repeats, say, after_round)
     split = len(design.train)
     train = [round_[:split] for round_ in rounds]
     coefficients, in_sample = fit(median_over_rounds(train))

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
+from engine.heap import serving_heap
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from protocol.measures import RequestTiming
@@ -30,15 +31,19 @@ GOALS: dict[str, float] = {"throughput_tok_s": 0.10, "ttft_p50_s": 0.10, "ttft_p
 def replay_realtime(config: EngineConfig, requests: Sequence[TraceRequest],
                     warmup_requests: int = 4) -> SimResult:
     """Replay `requests` through a real-time engine built from `config`, arrival times honoured
-    on the wall clock (offsets from the start of the replay)."""
+    on the wall clock (offsets from the start of the replay), with the garbage collector as an
+    engine server has it (`engine.heap.serving_heap`: without it a full collection stalled
+    the engine 120-200 ms, two or three times a replay, which the simulator does not model and
+    a server does not do)."""
     engine = LLMEngine(config)
     _warm_up(engine, warmup_requests)
-    start = engine.clock.now()
-    # shifted onto the engine's clock: the replay loop sleeps until each arrival comes
-    shifted = [replace(r, arrival=start + r.arrival) for r in requests]
-    replay = Replay(engine, shifted, None, 50, None)
-    wall = time.perf_counter()
-    stopped = replay.run()
+    with serving_heap(engine.config.max_num_seqs):  # the collector as `fairgate engine` has it
+        start = engine.clock.now()
+        # shifted onto the engine's clock: the replay loop sleeps until each arrival comes
+        shifted = [replace(r, arrival=start + r.arrival) for r in requests]
+        replay = Replay(engine, shifted, None, 50, None)
+        wall = time.perf_counter()
+        stopped = replay.run()
     return SimResult(timings=replay.timings(), elapsed_s=replay.last_end - start,
                      stopped=stopped, steps=replay.steps, wall_s=time.perf_counter() - wall,
                      preemptions=int(engine.stats().get("num_preemptions", 0)))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.server import YOUNG_PER_SEQ
+from engine.heap import YOUNG_PER_SEQ
 from fairgate.cli import main
 from fairgate.engine_cli import build_config, parse_overrides
 from tests.support.processes import free_port, read_until, spawn_fairgate
@@ -57,7 +57,7 @@ def test_engine_server_starts_serves_and_stops_on_sigint() -> None:
     printed = b""
     try:
         printed = read_until(proc, b"serving ")  # logged once the port is open
-        # the collector sized for the engine's steps (tests/engine/test_young_generation.py)
+        # the collector sized for the engine's steps (tests/engine/test_heap.py)
         assert (f"young generation {YOUNG_PER_SEQ * 96} objects (max_num_seqs 96)".encode()
                 in printed), printed
         with urllib.request.urlopen(f"{base}/healthz", timeout=5) as resp:
