@@ -5,6 +5,7 @@ for a measurement of the engine (calibration, the fidelity replay), undone after
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -64,13 +65,10 @@ class Node:
         self.other: Node | None = None
 
 
-def cycle() -> None:
+def cycle() -> Node:
     a, b = Node(), Node()
     a.other, b.other = b, a
-
-
-def live_nodes() -> int:
-    return sum(isinstance(o, Node) for o in gc.get_objects())
+    return a
 
 
 def test_serving_heap_freezes_what_started_and_undoes_it_after(
@@ -79,15 +77,18 @@ def test_serving_heap_freezes_what_started_and_undoes_it_after(
     with serving_heap(64):
         frozen = gc.get_freeze_count()
         assert frozen > 0 and gc.get_threshold()[0] == YOUNG_PER_SEQ * 64
-        with serving_heap(4096):  # a replay between calibration rounds
-            assert gc.get_freeze_count() >= frozen
+        node = cycle()  # alive when a block inside this one (a replay between rounds) begins
+        garbage = weakref.ref(node)
+        with serving_heap(4096):  # ... which freezes it
+            assert gc.get_freeze_count() > frozen
             assert gc.get_threshold()[0] == YOUNG_PER_SEQ * 4096
-        assert gc.get_freeze_count() >= frozen  # the outer block stays frozen
+        del node  # garbage now, but frozen
+        gc.collect()
+        assert garbage() is not None  # frozen: no collection reaches it
         assert gc.get_threshold()[0] == YOUNG_PER_SEQ * 64
-        cycle()
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
     gc.collect()
-    assert live_nodes() == 0  # what the block left behind is collected as usual
+    assert garbage() is None  # unfrozen after the outermost block: collected as usual
 
 
 def test_serving_heap_is_undone_when_the_measurement_fails(
