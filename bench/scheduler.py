@@ -3,9 +3,10 @@
     python bench/scheduler.py [--steps 300] [--repeats 3] [--baseline REV | --baseline none]
 
 Sim executor, prefix caching on, every running request decoding; the garbage collector set as
-`fairgate engine` sets it (`engine.heap.size_young_generation`) where the tree has it. Prints the median and p99 per
-step at 256 running / 1,024 waiting and at 1,024 running / 1,024 waiting, microseconds per running
-request, and the 1,024/256 cost ratio (4.0 = linear), for this tree and for a baseline: the
+`fairgate engine` sets it (`engine.heap.size_young_generation`) where the tree has it. Prints
+the median and p99 per step at 256 running / 1,024 waiting and at 1,024 running / 1,024
+waiting, microseconds per running request, and the 1,024/256 cost ratio (4.0 = linear), for
+this tree and for a baseline: the
 engine at REV (default: the commit before issue 28's scheduler work), unpacked with `git archive`
 into a temporary folder. Each measurement runs in its own subprocess, the two trees interleaved,
 so both see the same machine; each size reports the best median of its runs (the machine is
