@@ -89,10 +89,13 @@ def main() -> int:
     interleave = args.interleave and args.profile is None
     parts = segments(requests, args.repeats if interleave else 1)
     real_parts: list[SimResult] = []
+    replay_s = [0.0]  # seconds the real replay took, within the calibration when interleaved
 
     def replay_next(_round: int = 0) -> None:
         part = parts[len(real_parts)]
+        started = time.perf_counter()
         real_parts.append(replay_realtime(config, part))
+        replay_s[0] += time.perf_counter() - started
         print(f"  replayed segment {len(real_parts)}/{len(parts)}: {len(part)} requests, "
               f"{real_parts[-1].wall_s:.1f} s", file=sys.stderr)
 
@@ -105,8 +108,10 @@ def main() -> int:
                                    after_round=replay_next if interleave else None),
                          path)
             fit = load_profile(path).fit
-            print(f"calibrated in {time.perf_counter() - started:.1f} s"
-                  f"{' (the replay interleaved)' if interleave else ''}: {fit}; "
+            took = time.perf_counter() - started - replay_s[0]
+            print(f"calibrated in {took:.1f} s"
+                  f"{f' (and {replay_s[0]:.1f} s of replay between its rounds)' if interleave else ''}"
+                  f": {fit}; "
                   f"{check_fit(fit) or 'a good fit'}")
         if not real_parts:
             replay_next()
