@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import optuna
+from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
 
 from engine.config import EngineConfig
@@ -235,12 +236,19 @@ def _tokens_interval(run: TrialRun, resamples: int = 200) -> tuple[float, float]
                               resamples=resamples)
 
 
+def heartbeats(study: optuna.Study) -> BaseHeartbeat | None:
+    """The study's storage where it keeps heartbeats, else None. (A study holds its RDB storage
+    behind Optuna's cache, which is no RDBStorage but beats through to it.)"""
+    storage = study._storage
+    return storage if is_heartbeat_enabled(storage) else None  # type: ignore[return-value]
+
+
 def _beat(trial: optuna.Trial) -> None:
     """The trial's first heartbeat, now: Optuna's heartbeat thread records it asynchronously,
     and a worker killed before that leaves a trial no heartbeat check ever finds stale (never
     retried, RUNNING forever). Optuna has no public handle for this (study and trial id)."""
-    storage = trial.study._storage
-    if isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval():
+    storage = heartbeats(trial.study)
+    if storage is not None:
         storage.record_heartbeat(trial._trial_id)
 
 
