@@ -11,6 +11,7 @@ error budget allows (1% of the planned requests for p99): it can no longer meet 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -241,6 +242,29 @@ def heartbeats(study: optuna.Study) -> BaseHeartbeat | None:
     behind Optuna's cache, which is no RDBStorage but beats through to it.)"""
     storage = study._storage
     return storage if is_heartbeat_enabled(storage) else None  # type: ignore[return-value]
+
+
+ORPHAN_BEAT = "fairgate_orphan_beat"  # a trial given its one heartbeat by beat_orphans
+
+
+def beat_orphans(study: optuna.Study, now: datetime.datetime | None = None) -> None:
+    """Give one heartbeat to each RUNNING trial that has none: its worker was killed while the
+    sampler chose its knobs, before the objective's first beat (`_beat`), and Optuna never
+    finds a trial without heartbeats stale. Such a trial is older than the grace period (by
+    `now`, default the clock) and still lacks the attributes the objective sets right after
+    its beat; it is beaten once only (one killed between its beat and those attributes is not
+    kept alive), so it goes stale and is failed and re-run like any killed trial."""
+    storage = heartbeats(study)
+    interval = storage.get_heartbeat_interval() if storage is not None else None
+    if storage is None or not interval:
+        return
+    oldest = (now or datetime.datetime.now()) - datetime.timedelta(seconds=2 * interval)
+    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        started = trial.datetime_start
+        if ("objective" not in trial.user_attrs and ORPHAN_BEAT not in trial.system_attrs
+                and started is not None and started < oldest):
+            study._storage.set_trial_system_attr(trial._trial_id, ORPHAN_BEAT, True)
+            storage.record_heartbeat(trial._trial_id)
 
 
 def _beat(trial: optuna.Trial) -> None:

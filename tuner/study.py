@@ -28,7 +28,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from engine.config import EngineConfig
 from tuner.baselines import baseline_params
-from tuner.evaluate import Evaluator, heartbeats
+from tuner.evaluate import Evaluator, beat_orphans
 from tuner.holdout import run_holdout
 from tuner.outcome import (
     StudyOutcome,
@@ -296,30 +296,15 @@ def _settle_running(spec: TuneSpec, study: optuna.Study, progress: Progress | No
                       "ended or stopped beating; one that stopped runs again with its knobs")
 
 
-ORPHAN_BEAT = "fairgate_orphan_beat"  # a trial given its one heartbeat by _fail_stale_trials
-
-
 def _fail_stale_trials(study: optuna.Study, now: datetime.datetime | None = None) -> None:
     """Fail the study's trials whose worker stopped beating (each is queued again once, with its
     knobs: `open_storage`'s callback). Optuna does this as each trial starts; a worker ending
     its share does it once more, for a killed worker's trial that went stale meanwhile.
 
-    Optuna never finds a trial stale that has no heartbeat at all: one whose worker was killed
-    while the sampler chose its knobs, before the objective's first beat (`evaluate._beat`).
-    Such a trial, older than the grace period and still without the attributes the objective
-    sets right after that beat, is given one heartbeat here (once: a trial killed between its
-    beat and those attributes is not kept alive), so it goes stale like any other (`now`: the
+    Optuna never finds a trial stale that has no heartbeat at all (a worker killed while the
+    sampler chose its knobs): `evaluate.beat_orphans` gives such a trial one first (`now`: the
     time to judge its age by, default the clock's)."""
-    storage = heartbeats(study)
-    interval = storage.get_heartbeat_interval() if storage is not None else None
-    if storage is not None and interval:
-        oldest = (now or datetime.datetime.now()) - datetime.timedelta(seconds=2 * interval)
-        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            started = trial.datetime_start
-            if ("objective" not in trial.user_attrs and ORPHAN_BEAT not in trial.system_attrs
-                    and started is not None and started < oldest):
-                study._storage.set_trial_system_attr(trial._trial_id, ORPHAN_BEAT, True)  # once
-                storage.record_heartbeat(trial._trial_id)
+    beat_orphans(study, now)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
