@@ -6,13 +6,13 @@ tests/gateway/test_tune_jobs.py's killed-gateway test: 4 of 5 trials, #3 RUNNING
 from __future__ import annotations
 
 import datetime
-import time
 import warnings
 from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
 
+from tests.support.waiting import poll_until
 from tuner.evaluate import heartbeats
 from tuner.study import _fail_stale_trials
 
@@ -33,10 +33,13 @@ def test_a_trial_killed_before_its_first_beat_is_failed_and_queued_again(tmp_pat
     _fail_stale_trials(study)  # young: left alone
     assert study.get_trials()[0].state is TrialState.RUNNING
     _fail_stale_trials(study, now=started + datetime.timedelta(seconds=3))  # past the grace
-    deadline = time.monotonic() + 15  # its one beat goes stale after the grace period
-    while study.get_trials()[0].state is TrialState.RUNNING and time.monotonic() < deadline:
+
+    def failed() -> bool:
         _fail_stale_trials(study)  # called again and again (the settle loop): beaten once only
-        time.sleep(0.2)
+        return study.get_trials()[0].state is not TrialState.RUNNING
+
+    # its one beat goes stale after the grace period (SQLite's clock has whole seconds)
+    poll_until(failed, 15, "the orphan trial failed", every=0.2)
     states = [t.state for t in study.get_trials()]
     assert states == [TrialState.FAIL, TrialState.WAITING], states  # failed and queued again
 
