@@ -46,13 +46,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
 from sqlalchemy.exc import SQLAlchemyError
 
 from control.canary import MAX_CANARY_WEIGHT, ServedWindow
 from engine.config import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV, EngineConfig
 from engine.presets import MODEL_PRESETS, model_preset
-from engine.sim_profile import FEATURES, PROFILE_VERSION, SimProfile
+from engine.sim_profile import FEATURES, PROFILE_VERSION, SimProfile, profile_text
 from gateway.admin import RETRY_AFTER_S
 from gateway.config import ADMIN_KEY_ENV, BackendConfig, ShadowConfig
 from gateway.outlier import Verdict
@@ -343,7 +342,15 @@ SIM_PROFILE_SCHEMA: Schema = {
                          "additionalProperties": {"type": "number", "minimum": 0}},
         "fit": {"type": "object", "additionalProperties": {"type": "number"}},
         "calibration": {"type": "object", "additionalProperties": {
-            "type": ["string", "number", "boolean", "null"]}}}}
+            "type": ["string", "number", "boolean", "null"]}},
+        "noise": {"type": "object", "additionalProperties": False, "required": ["ratios"],
+                  "description": "How uneven the measured steps were: each step's measured "
+                                 "over predicted time, in order; the simulator replays them in "
+                                 "blocks of `block` steps.",
+                  "properties": {
+                      "block": {"type": "integer", "minimum": 1, "maximum": MAX_PROFILE_INT},
+                      "ratios": {"type": "array", "minItems": 1,
+                                 "items": {"type": "number", "exclusiveMinimum": 0}}}}}}
 
 
 class NotHeld(LookupError):
@@ -432,6 +439,8 @@ def profile_from_upload(body: bytes, as_json: bool) -> SimProfile:
         _check_profile_field(key, value)
         if key == "version" or key in _PROFILE_COUNTS:
             data[key] = int(value)  # JSON's 5.0 is JSON Schema's integer too
+        if key == "noise" and "block" in value:
+            value["block"] = int(value["block"])
     try:
         return SimProfile.from_dict(data)
     except (ValueError, TypeError) as exc:
@@ -461,6 +470,15 @@ def _check_profile_field(key: str, value: Any) -> None:
             isinstance(k, str) and (v is None or isinstance(v, str | bool) or number(v))
             for k, v in value.items())):
         wrong = "calibration must map knobs to their values (strings, numbers, true/false, null)"
+    elif key == "noise" and not (isinstance(value, dict) and "ratios" in value
+                                 and set(value) <= {"ratios", "block"}):
+        wrong = "noise must be a mapping with `ratios` (and optionally `block`)"
+    elif key == "noise" and not (isinstance(value["ratios"], list) and value["ratios"] and all(
+            number(v) and v > 0 for v in value["ratios"])):
+        wrong = "noise.ratios must be a non-empty list of numbers > 0"
+    elif key == "noise" and "block" in value and not (
+            whole(value["block"]) and 1 <= value["block"] <= MAX_PROFILE_INT):
+        wrong = f"noise.block must be a whole number from 1 to {MAX_PROFILE_INT}"
     else:
         return
     raise bad_request(wrong, key)
@@ -528,7 +546,7 @@ class SimProfiles:
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.folder)  # 0600
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
-                out.write(yaml.safe_dump(profile.to_dict(), sort_keys=False))
+                out.write(profile_text(profile))
             os.replace(tmp, self.path(name))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -539,7 +557,8 @@ class SimProfiles:
 def profile_summary(name: str, profile: SimProfile) -> dict[str, Any]:
     return {"name": name, "model": profile.model, "device": profile.device,
             "dtype": profile.dtype, "max_position": profile.max_position,
-            "kv_tokens": profile.kv_tokens, "fit": dict(profile.fit)}
+            "kv_tokens": profile.kv_tokens, "fit": dict(profile.fit),
+            "noise": None if profile.noise is None else profile.noise.summary()}
 
 
 # ---- the manager --------------------------------------------------------------------------------

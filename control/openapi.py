@@ -142,6 +142,7 @@ SCHEMAS: dict[str, Schema] = {
                        "properties": {"name": STRING, "model": STRING, "device": STRING,
                                       "dtype": STRING, "max_position": COUNT,
                                       "kv_tokens": COUNT, "fit": {"type": "object"},
+                                      "noise": nullable({"type": "object"}),
                                       "error": STRING}},
     "SimProfileList": object_schema(profiles={"type": "array",
                                         "items": {"$ref": "#/components/schemas/SimProfileInfo"}}),

@@ -19,13 +19,17 @@ Memory is modelled the way a GPU engine (vLLM) sizes its KV cache, so `memory_fr
 Both failures raise `OutOfMemory` (a ValueError) naming the knobs, before any request runs.
 
 With `sim_profile` set, step times and the KV capacity come from a calibration profile of a real
-engine instead (engine/sim_profile.py, written by `fairgate tune calibrate`).
+engine instead (engine/sim_profile.py, written by `fairgate tune calibrate`), and a profile that
+recorded how uneven the real steps were (`noise`) makes the simulated steps as uneven: each
+step's time times the next ratio of a block bootstrap seeded by `seed`, so two runs with one seed
+(a tuner's trials) see the same unevenness.
 """
 
 from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -184,9 +188,12 @@ class SimExecutor:
         # what times the steps and sizes the cache: the roofline, or a calibration profile
         self.step_model: StepCostModel = self.cost
         self.max_position = self.shape.max_position
+        self.noise: Iterator[float] | None = None  # a step's time is multiplied by the next
         if config.sim_profile is not None:
             profile = load_profile(config.sim_profile)
             self.step_model, self.max_position = profile, profile.max_position
+            if profile.noise is not None:
+                self.noise = profile.noise.stream(config.seed)
         self.clock = clock or RealClock()
         self.realtime = config.sim_clock == "realtime"
         self.tokenizer: Tokenizer = ByteTokenizer(vocab_size=max(self.shape.vocab_size, 258))
@@ -205,6 +212,8 @@ class SimExecutor:
         sampled = {s.request.request_id: self._token(s.request.request_id, s.request.num_tokens)
                    for s in plan.requests if s.samples}
         step_time = self.step_model.step_time(plan)
+        if self.noise is not None:
+            step_time *= next(self.noise)
         if self.realtime:
             self.clock.sleep(step_time - (time.monotonic() - started))
         else:

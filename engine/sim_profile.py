@@ -19,6 +19,9 @@ roofline of engine/sim.py. The profile YAML::
       ...
     fit: {steps: 812, held_out_steps: 90, r2: 0.98, median_rel_error: 0.05, ...}
     calibration: {max_num_seqs: 32, ...}   # the knobs it ran under
+    noise:                        # optional: how uneven the measured steps were, see below
+      block: 256
+      ratios: [0.97, 1.02, 0.91, ...]
 
 `fit` is the calibration's report: `r2`, `median_rel_error` and `p90_rel_error` of the fitted
 model on steps it was not fitted on (`held_out_steps` of them), `train_r2` and
@@ -28,14 +31,27 @@ Memory: the sim serves with the KV cache the real engine had under the calibrati
 (`kv_tokens`, re-cut into blocks of the running config's `block_size`); `num_kv_blocks` still
 overrides it. The other memory knobs (`memory_fraction`, `device_memory_gb`) do not change it, so
 calibrate under the memory settings the simulation should reproduce.
+
+Noise: a real engine's steps are uneven, and unevenly in stretches (a core shared with another
+process, the CPU's clock, the caches): on a 2-core VM the calibration's measured over predicted
+step times ran p10 0.89, p90 1.21, p99 1.53, with a lag-1 autocorrelation of 0.54 that was still
+0.07 a hundred steps on. A simulator that gives every step of one shape the same time gets the
+p50s right and reads the p99s low (bench/RESULTS.md, issue 24). `noise.ratios` are the
+calibration's own measured / predicted step times in the order they ran, scaled to a mean of 1
+(so the coefficients still set the total); the sim executor multiplies each step's time by the
+next ratio of a circular block bootstrap over them (`StepNoise.stream`: runs of `block`
+consecutive ratios from random starts, seeded by the engine's `seed`), which keeps both their
+spread and their stretches. A profile without `noise` simulates every step at its predicted time.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
+import random
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,6 +99,71 @@ def step_features(plan: SchedulerOutput) -> tuple[float, ...]:
             prefill_context)
 
 
+NOISE_BLOCK = 256  # steps: the measured stretches were still correlated 100 steps on
+
+
+@dataclass(frozen=True)
+class StepNoise:
+    """Measured over predicted step times, in the order they were measured (see the module
+    docstring); replayed in blocks of `block` consecutive ratios."""
+
+    ratios: tuple[float, ...]
+    block: int = NOISE_BLOCK
+
+    def __post_init__(self) -> None:
+        if not self.ratios:
+            raise ValueError("noise.ratios is empty; recalibrate, or delete `noise`")
+        if any(isinstance(r, bool) or not isinstance(r, int | float) or not r > 0
+               for r in self.ratios):
+            raise ValueError("noise.ratios must all be numbers > 0")
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"noise.block must be a positive integer, got {self.block!r}")
+
+    @classmethod
+    def measured(cls, ratios: Sequence[float], block: int = NOISE_BLOCK) -> StepNoise:
+        """From raw measured / predicted ratios: clipped to [1/4, 4] (a step stalled 10x is a
+        disturbed calibration, not the engine) and scaled to a mean of 1."""
+        clipped = [min(max(float(r), 0.25), 4.0) for r in ratios]
+        mean = sum(clipped) / len(clipped) if clipped else 1.0
+        return cls(tuple(round(r / mean, 4) for r in clipped), block)
+
+    def stream(self, seed: int) -> Iterator[float]:
+        """An endless circular block bootstrap of `ratios`: `block` consecutive ratios (wrapping
+        at the end) from a start drawn by a generator seeded with `seed`, then another block."""
+        rng, ratios = random.Random(seed), self.ratios
+        while True:
+            start = rng.randrange(len(ratios))
+            for i in range(start, start + self.block):
+                yield ratios[i % len(ratios)]
+
+    def summary(self) -> dict[str, float]:
+        """The ratios' spread and stretches, for a listing (the gateway's GET
+        /admin/sim-profiles) and for `describe`."""
+        ordered = sorted(self.ratios)
+        at = {f"p{round(q * 100)}": ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+              for q in (0.1, 0.5, 0.9, 0.99)}
+        return {"steps": len(ordered), "block": self.block, **at,
+                "lag1_autocorrelation": round(lag_one_autocorrelation(self.ratios), 4)}
+
+    def describe(self) -> str:
+        s = self.summary()
+        return (f"measured / predicted step time over {s['steps']} steps: p10 {s['p10']:.2f}, "
+                f"p50 {s['p50']:.2f}, p90 {s['p90']:.2f}, p99 {s['p99']:.2f}, lag-1 "
+                f"autocorrelation {s['lag1_autocorrelation']:.2f}")
+
+
+def lag_one_autocorrelation(values: Sequence[float]) -> float:
+    """How much one value predicts the next (0 for independent values, 1 for one level)."""
+    if len(values) < 3:
+        return 0.0
+    mean = sum(values) / len(values)
+    centred = [v - mean for v in values]
+    variance = sum(c * c for c in centred)
+    if variance == 0:
+        return 0.0
+    return sum(a * b for a, b in itertools.pairwise(centred)) / variance
+
+
 @dataclass(frozen=True)
 class SimProfile:
     coefficients: dict[str, float]  # feature -> seconds per unit
@@ -94,6 +175,7 @@ class SimProfile:
     dtype: str = ""
     fit: dict[str, float] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
+    noise: StepNoise | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.coefficients) - set(FEATURES))
@@ -138,7 +220,9 @@ class SimProfile:
                 "dtype": self.dtype, "max_position": self.max_position,
                 "kv_tokens": self.kv_tokens, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "coefficients": {k: float(self.coefficients.get(k, 0.0)) for k in FEATURES},
-                "fit": dict(self.fit), "calibration": dict(self.calibration)}
+                "fit": dict(self.fit), "calibration": dict(self.calibration),
+                **({"noise": {"block": self.noise.block, "ratios": list(self.noise.ratios)}}
+                   if self.noise is not None else {})}
 
     @classmethod
     def from_dict(cls, data: Any) -> SimProfile:
@@ -151,12 +235,18 @@ class SimProfile:
         missing = [k for k in ("kv_tokens", "kv_bytes_per_token", "max_position") if k not in data]
         if missing:
             raise ValueError(f"the profile lacks {', '.join(missing)}")
+        noise = data.get("noise")
+        if noise is not None and (not isinstance(noise, dict)
+                                  or not isinstance(noise.get("ratios"), list)):
+            raise ValueError("noise must be a mapping with a list `ratios`")
         return cls(coefficients=dict(data["coefficients"]), kv_tokens=data["kv_tokens"],
                    kv_bytes_per_token=data["kv_bytes_per_token"],
                    max_position=data["max_position"], model=str(data.get("model", "")),
                    device=str(data.get("device", "")), dtype=str(data.get("dtype", "")),
                    fit=dict(data.get("fit") or {}),
-                   calibration=dict(data.get("calibration") or {}))
+                   calibration=dict(data.get("calibration") or {}),
+                   noise=None if noise is None else StepNoise(
+                       tuple(noise["ratios"]), noise.get("block", NOISE_BLOCK)))
 
 
 def load_profile(path: str | os.PathLike[str]) -> SimProfile:
@@ -183,11 +273,22 @@ def _load(path: str, mtime_ns: int, size: int) -> SimProfile:
         raise ValueError(f"{path}: {reason}") from None
 
 
+def profile_text(profile: SimProfile) -> str:
+    """The profile's YAML, as `save_profile` writes it and `load_profile` reads it."""
+    data = profile.to_dict()
+    noise = data.pop("noise", None)
+    text = yaml.safe_dump(data, sort_keys=False)
+    if noise is not None:  # thousands of ratios: a wrapped flow list, not a line each
+        text += yaml.safe_dump({"noise": noise}, sort_keys=False, default_flow_style=None,
+                               width=100)
+    return text
+
+
 def save_profile(profile: SimProfile, path: str | os.PathLike[str]) -> None:
     """Write atomically: a temporary file beside `path`, then os.replace, so a reader never
     sees half a profile."""
     path = Path(path)
-    text = yaml.safe_dump(profile.to_dict(), sort_keys=False)
+    text = profile_text(profile)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:

@@ -36,7 +36,7 @@ from engine.heap import serving_heap
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.scheduler import SchedulerOutput
-from engine.sim_profile import FEATURES, SimProfile, step_features
+from engine.sim_profile import FEATURES, SimProfile, StepNoise, step_features
 from protocol.stats import percentile
 from tuner.simulate import PromptBuilder
 from tuner.traces import TraceRequest
@@ -301,6 +301,7 @@ def calibrate(config: EngineConfig, design: Design | None = None, repeats: int =
     scale = mean_scale(coefficients, train)
     coefficients = coefficients * scale
     held_out = evaluate(coefficients, median_over_rounds([r[split:] for r in rounds]))
+    noise = step_noise(coefficients, rounds)
     quality = {"steps": in_sample["steps"], "held_out_steps": held_out["steps"],
                "outliers_dropped": in_sample["outliers_dropped"], "r2": held_out["r2"],
                "median_rel_error": held_out["median_rel_error"],
@@ -311,7 +312,8 @@ def calibrate(config: EngineConfig, design: Design | None = None, repeats: int =
         f"{in_sample['median_rel_error']:.1%}), scaled x{scale:.3f} to a round's total; on "
         f"{quality['held_out_steps']} held-out steps: R^2 {quality['r2']:.3f}, median relative "
         f"error {quality['median_rel_error']:.1%}, p90 {quality['p90_rel_error']:.1%}")
-    return _profile(config, engine, coefficients, quality)
+    say(f"step noise: {noise.describe()}")
+    return _profile(config, engine, coefficients, quality, noise)
 
 
 def measure(calibrator: Calibrator, phases: Sequence[CalibrationPhase], repeats: int,
@@ -330,6 +332,22 @@ def measure(calibrator: Calibrator, phases: Sequence[CalibrationPhase], repeats:
         if after_round is not None:
             after_round(round_)
     return rounds
+
+
+def step_noise(coefficients: np.ndarray,
+               rounds: Sequence[Sequence[Sequence[Sample]]]) -> StepNoise:
+    """Every measured step's time over the fitted prediction, round after round and phase after
+    phase in the order they ran (the phases run back to back, so a slow stretch of the machine
+    spans them), as the profile's `StepNoise`. Raw times, not the median over rounds: the
+    unevenness is what it records."""
+    ratios = []
+    for round_ in rounds:
+        for run in round_:
+            for features, elapsed in run:
+                predicted = float(np.dot(features, coefficients))
+                if predicted > 0:
+                    ratios.append(elapsed / predicted)
+    return StepNoise.measured(ratios or [1.0])
 
 
 def check_fit(fit: dict[str, float], min_r2: float = MIN_R2,
@@ -377,7 +395,7 @@ def median_over_rounds(rounds: Sequence[Sequence[Sequence[Sample]]]) -> list[Sam
 
 
 def _profile(config: EngineConfig, engine: LLMEngine, coefficients: np.ndarray,
-             quality: dict[str, float]) -> SimProfile:
+             quality: dict[str, float], noise: StepNoise | None = None) -> SimProfile:
     capacity, block_size = engine.capacity, engine.config.block_size
     inner = engine.executor.inner if isinstance(engine.executor, RecordingExecutor) else None
     device, dtype = getattr(inner, "device", config.device), getattr(inner, "dtype", config.dtype)
@@ -388,7 +406,7 @@ def _profile(config: EngineConfig, engine: LLMEngine, coefficients: np.ndarray,
         max_position=engine.executor.max_position, model=config.model,
         device=str(device), dtype=str(dtype).removeprefix("torch."), fit=quality,
         calibration={k: v for k, v in config.to_dict().items() if v != getattr(
-            EngineConfig(), k)})
+            EngineConfig(), k)}, noise=noise)
 
 
 def evaluate(model: SimProfile | np.ndarray, samples: Sequence[Sample]) -> dict[str, float]:

@@ -56,6 +56,9 @@ def test_calibrate_writes_a_profile_the_sim_executor_loads(tmp_path: Path,
     assert (f"held-out steps ({fit_report['held_out_steps']}): R^2 {fit_report['r2']:.3f}, "
             f"median relative error {fit_report['median_rel_error']:.1%}") in captured.out
     assert " s; " in captured.out  # the time it took
+    # every measured step's unevenness, for the sim to replay (tests/engine/test_sim_noise.py)
+    assert profile.noise is not None and len(profile.noise.ratios) >= profile.fit["steps"]
+    assert f"step noise: {profile.noise.describe()}" in captured.err
     assert set(profile.coefficients) == set(FEATURES)
     assert all(c >= 0 for c in profile.coefficients.values())
     assert profile.model == "random:tiny" and profile.max_position == 4096
