@@ -51,7 +51,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from control.canary import MAX_CANARY_WEIGHT, ServedWindow
 from engine.config import ENGINE_ADMIN_KEY_ENV, ENGINE_KEY_ENV, EngineConfig
 from engine.presets import MODEL_PRESETS, model_preset
-from engine.sim_profile import FEATURES, PROFILE_VERSION, SimProfile, profile_text
+from engine.sim_profile import (
+    FEATURES,
+    MAX_WAKE_STEPS,
+    PROFILE_VERSION,
+    SimProfile,
+    profile_text,
+)
 from gateway.admin import RETRY_AFTER_S
 from gateway.config import ADMIN_KEY_ENV, BackendConfig, ShadowConfig
 from gateway.outlier import Verdict
@@ -350,7 +356,16 @@ SIM_PROFILE_SCHEMA: Schema = {
                   "properties": {
                       "block": {"type": "integer", "minimum": 1, "maximum": MAX_PROFILE_INT},
                       "ratios": {"type": "array", "minItems": 1,
-                                 "items": {"type": "number", "exclusiveMinimum": 0}}}}}}
+                                 "items": {"type": "number", "exclusiveMinimum": 0}}}},
+        "wake": {"type": "object", "additionalProperties": False,
+                 "required": ["idle_s", "extra_s"],
+                 "description": "What the first steps after an idle spell cost beyond their "
+                                "prediction: `extra_s[k]` seconds for the k-th step after "
+                                "`idle_s` of idle (less after a shorter idle).",
+                 "properties": {
+                     "idle_s": {"type": "number", "exclusiveMinimum": 0},
+                     "extra_s": {"type": "array", "minItems": 1, "maxItems": MAX_WAKE_STEPS,
+                                 "items": {"type": "number", "minimum": 0}}}}}}
 
 
 class NotHeld(LookupError):
@@ -479,6 +494,13 @@ def _check_profile_field(key: str, value: Any) -> None:
     elif key == "noise" and "block" in value and not (
             whole(value["block"]) and 1 <= value["block"] <= MAX_PROFILE_INT):
         wrong = f"noise.block must be a whole number from 1 to {MAX_PROFILE_INT}"
+    elif key == "wake" and not (
+            isinstance(value, dict) and set(value) == {"idle_s", "extra_s"}
+            and number(value["idle_s"]) and value["idle_s"] > 0
+            and isinstance(value["extra_s"], list) and 1 <= len(value["extra_s"]) <= MAX_WAKE_STEPS
+            and all(number(v) and v >= 0 for v in value["extra_s"])):
+        wrong = (f"wake must be a mapping of `idle_s` (seconds > 0) and `extra_s` (1 to "
+                 f"{MAX_WAKE_STEPS} numbers >= 0)")
     else:
         return
     raise bad_request(wrong, key)
@@ -558,7 +580,9 @@ def profile_summary(name: str, profile: SimProfile) -> dict[str, Any]:
     return {"name": name, "model": profile.model, "device": profile.device,
             "dtype": profile.dtype, "max_position": profile.max_position,
             "kv_tokens": profile.kv_tokens, "fit": dict(profile.fit),
-            "noise": None if profile.noise is None else profile.noise.summary()}
+            "noise": None if profile.noise is None else profile.noise.summary(),
+            "wake": None if profile.wake is None else {
+                "idle_s": profile.wake.idle_s, "extra_s": list(profile.wake.extra_s)}}
 
 
 # ---- the manager --------------------------------------------------------------------------------

@@ -143,6 +143,7 @@ SCHEMAS: dict[str, Schema] = {
                                       "dtype": STRING, "max_position": COUNT,
                                       "kv_tokens": COUNT, "fit": {"type": "object"},
                                       "noise": nullable({"type": "object"}),
+                                      "wake": nullable({"type": "object"}),
                                       "error": STRING}},
     "SimProfileList": object_schema(profiles={"type": "array",
                                         "items": {"$ref": "#/components/schemas/SimProfileInfo"}}),

@@ -22,7 +22,8 @@ With `sim_profile` set, step times and the KV capacity come from a calibration p
 engine instead (engine/sim_profile.py, written by `fairgate tune calibrate`), and a profile that
 recorded how uneven the real steps were (`noise`) makes the simulated steps as uneven: each
 step's time times the next ratio of a block bootstrap seeded by `seed`, so two runs with one seed
-(a tuner's trials) see the same unevenness.
+(a tuner's trials) see the same unevenness. A profile that measured what the first steps after an
+idle spell cost (`wake`) adds that to them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from engine.executor import KVCapacity, ModelOutput
 from engine.model_config import ModelConfig
 from engine.presets import model_preset
 from engine.scheduler import SchedulerOutput
-from engine.sim_profile import load_profile
+from engine.sim_profile import WAKE_MIN_IDLE_S, Wake, load_profile
 from engine.tokenizer import ByteTokenizer, Tokenizer
 
 GIB = 1 << 30
@@ -189,11 +190,17 @@ class SimExecutor:
         self.step_model: StepCostModel = self.cost
         self.max_position = self.shape.max_position
         self.noise: Iterator[float] | None = None  # a step's time is multiplied by the next
+        self.wake: Wake | None = None  # the first steps after idle cost more
         if config.sim_profile is not None:
             profile = load_profile(config.sim_profile)
             self.step_model, self.max_position = profile, profile.max_position
             if profile.noise is not None:
                 self.noise = profile.noise.stream(config.seed)
+            self.wake = profile.wake
+        # the end of the last step, the idle spell before the steps since, and their count
+        self._last_end: float | None = None
+        self._idle_s = 0.0
+        self._since_idle = 0
         self.clock = clock or RealClock()
         self.realtime = config.sim_clock == "realtime"
         self.tokenizer: Tokenizer = ByteTokenizer(vocab_size=max(self.shape.vocab_size, 258))
@@ -214,11 +221,26 @@ class SimExecutor:
         step_time = self.step_model.step_time(plan)
         if self.noise is not None:
             step_time *= next(self.noise)
+        if self.wake is not None:
+            step_time += self._wake_extra()
         if self.realtime:
             self.clock.sleep(step_time - (time.monotonic() - started))
         else:
             self.clock.sleep(step_time)
+        if self.wake is not None:
+            self._last_end = self.clock.now()
         return ModelOutput(sampled=sampled, step_time=step_time)
+
+    def _wake_extra(self) -> float:
+        """The wake cost of this step: the idle spell before it ended at the last step's end."""
+        assert self.wake is not None
+        idle = 0.0 if self._last_end is None else self.clock.now() - self._last_end
+        if self._last_end is None or idle >= WAKE_MIN_IDLE_S:
+            self._idle_s, self._since_idle = (
+                self.wake.idle_s if self._last_end is None else idle), 0
+        else:
+            self._since_idle += 1
+        return self.wake.extra(self._since_idle, self._idle_s)
 
     def _token(self, request_id: str, position: int) -> int:
         """Lower-case letters and spaces, a pure function of (seed, request, position), so a

@@ -22,6 +22,9 @@ roofline of engine/sim.py. The profile YAML::
     noise:                        # optional: how uneven the measured steps were, see below
       block: 256
       ratios: [0.97, 1.02, 0.91, ...]
+    wake:                         # optional: what the first steps after idle cost, see below
+      idle_s: 0.2
+      extra_s: [0.0021, 0.0006, 0.0003, 0.0001]
 
 `fit` is the calibration's report: `r2`, `median_rel_error` and `p90_rel_error` of the fitted
 model on steps it was not fitted on (`held_out_steps` of them), `train_r2` and
@@ -42,6 +45,15 @@ calibration's own measured / predicted step times in the order they ran, scaled 
 next ratio of a circular block bootstrap over them (`StepNoise.stream`: runs of `block`
 consecutive ratios from random starts, seeded by the engine's `seed`), which keeps both their
 spread and their stretches. A profile without `noise` simulates every step at its predicted time.
+
+Wake: the calibration runs its steps back to back, but a server is often idle between requests,
+and the first steps after an idle spell run slower (caches and the CPU gone cold: on a 2-core
+VM a 64-token prefill took 6.4 ms straight after other work and 8.6 ms after 0.2 s of nothing,
+the two decodes after it +25% and +13%). Those are the steps a request that arrives at a quiet
+engine waits for, so without them the simulator read TTFT p50 5-11% low in every fidelity run.
+`wake.extra_s[k]` is what the calibration measured the k-th step after `wake.idle_s` of idle
+to cost beyond the same step straight after work (medians of paired runs); the sim executor
+adds it to the steps after each idle spell, in proportion to the spell up to `idle_s`.
 """
 
 from __future__ import annotations
@@ -100,6 +112,8 @@ def step_features(plan: SchedulerOutput) -> tuple[float, ...]:
 
 
 NOISE_BLOCK = 256  # steps: the measured stretches were still correlated 100 steps on
+WAKE_MIN_IDLE_S = 1e-3  # a gap between steps shorter than this is the engine's own loop, not idle
+MAX_WAKE_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -152,6 +166,35 @@ class StepNoise:
                 f"autocorrelation {s['lag1_autocorrelation']:.2f}")
 
 
+@dataclass(frozen=True)
+class Wake:
+    """What the first steps after an idle spell cost beyond their predicted time (see the
+    module docstring): `extra_s[k]` seconds for the k-th step after `idle_s` of idle."""
+
+    idle_s: float
+    extra_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.idle_s, bool) or not isinstance(self.idle_s, int | float) or not (
+                self.idle_s > 0):
+            raise ValueError(f"wake.idle_s must be a number > 0, got {self.idle_s!r}")
+        if not 1 <= len(self.extra_s) <= MAX_WAKE_STEPS:
+            raise ValueError(f"wake.extra_s must list 1 to {MAX_WAKE_STEPS} steps' extra seconds")
+        if any(isinstance(e, bool) or not isinstance(e, int | float) or not e >= 0
+               for e in self.extra_s):
+            raise ValueError("wake.extra_s must all be numbers >= 0")
+
+    def extra(self, step: int, idle_s: float) -> float:
+        """Seconds added to the `step`-th step (0: the first) after `idle_s` of idle."""
+        if step >= len(self.extra_s):
+            return 0.0
+        return self.extra_s[step] * min(1.0, idle_s / self.idle_s)
+
+    def describe(self) -> str:
+        steps = ", ".join(f"{e * 1e3:.2f}" for e in self.extra_s)
+        return f"after {self.idle_s:g} s idle, the first steps take +[{steps}] ms"
+
+
 def lag_one_autocorrelation(values: Sequence[float]) -> float:
     """How much one value predicts the next (0 for independent values, 1 for one level)."""
     if len(values) < 3:
@@ -176,6 +219,7 @@ class SimProfile:
     fit: dict[str, float] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
     noise: StepNoise | None = None
+    wake: Wake | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.coefficients) - set(FEATURES))
@@ -221,6 +265,8 @@ class SimProfile:
                 "kv_tokens": self.kv_tokens, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "coefficients": {k: float(self.coefficients.get(k, 0.0)) for k in FEATURES},
                 "fit": dict(self.fit), "calibration": dict(self.calibration),
+                **({"wake": {"idle_s": self.wake.idle_s, "extra_s": list(self.wake.extra_s)}}
+                   if self.wake is not None else {}),
                 **({"noise": {"block": self.noise.block, "ratios": list(self.noise.ratios)}}
                    if self.noise is not None else {})}
 
@@ -239,6 +285,10 @@ class SimProfile:
         if noise is not None and (not isinstance(noise, dict)
                                   or not isinstance(noise.get("ratios"), list)):
             raise ValueError("noise must be a mapping with a list `ratios`")
+        wake = data.get("wake")
+        if wake is not None and (not isinstance(wake, dict) or set(wake) != {"idle_s", "extra_s"}
+                                 or not isinstance(wake["extra_s"], list)):
+            raise ValueError("wake must be a mapping with `idle_s` and a list `extra_s`")
         return cls(coefficients=dict(data["coefficients"]), kv_tokens=data["kv_tokens"],
                    kv_bytes_per_token=data["kv_bytes_per_token"],
                    max_position=data["max_position"], model=str(data.get("model", "")),
@@ -246,7 +296,8 @@ class SimProfile:
                    fit=dict(data.get("fit") or {}),
                    calibration=dict(data.get("calibration") or {}),
                    noise=None if noise is None else StepNoise(
-                       tuple(noise["ratios"]), noise.get("block", NOISE_BLOCK)))
+                       tuple(noise["ratios"]), noise.get("block", NOISE_BLOCK)),
+                   wake=None if wake is None else Wake(wake["idle_s"], tuple(wake["extra_s"])))
 
 
 def load_profile(path: str | os.PathLike[str]) -> SimProfile:

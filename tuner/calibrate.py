@@ -15,6 +15,9 @@ not all). A non-negative least-squares fit, relative to each step's time so shor
 count as much as long prefills, gives the coefficients of a `SimProfile`
 (engine/sim_profile.py).
 
+Last, `measure_wake` times what the first steps after an idle spell cost beyond the same steps
+straight after other work (the profile's `wake`): the phases run back to back, a server does not.
+
 The fit never sees the design's held-out `Mix` (measured in the same rounds); the R² and median
 relative error the profile reports are the fitted model's on those steps, and `check_fit` holds
 them to `MIN_R2` and `MAX_MEDIAN_ERROR`.
@@ -36,7 +39,7 @@ from engine.heap import serving_heap
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.scheduler import SchedulerOutput
-from engine.sim_profile import FEATURES, SimProfile, StepNoise, step_features
+from engine.sim_profile import FEATURES, SimProfile, StepNoise, Wake, step_features
 from protocol.stats import percentile
 from tuner.simulate import PromptBuilder
 from tuner.traces import TraceRequest
@@ -58,6 +61,10 @@ MIN_PROMPT, MIN_OUTPUT = 16, 4  # a mix's shortest request
 # with 12-token grid outputs and mixes to 48 they were most of what the fit saw, so it read
 # serving's decodes 4-12% long (bench/RESULTS.md, issue 24). Twice the steps, about a minute.
 GRID_OUTPUT, STAGGERED_OUTPUT, MIX_OUTPUT = 32, 40, 96
+# the wake measurement: pairs of one request straight after work and after this much idle (the
+# extra had not levelled off at 0.1 s in the probes, and it had by 0.2 s); a mid-size prompt
+# and a few decodes after it, whose extra falls step by step
+WAKE_IDLE_S, WAKE_PAIRS, WAKE_PROMPT, WAKE_STEPS = 0.2, 24, 128, 4
 
 
 @dataclass(frozen=True)
@@ -209,6 +216,16 @@ class Calibrator:
                 samples.append((self.recorder.last_features, elapsed))
         return samples
 
+    def steps_of_one(self, prompt_tokens: int, output_tokens: int) -> list[float]:
+        """The times of every step of one request alone, in order."""
+        engine, times = self.engine, []
+        engine.add_request(*self._add_args(prompt_tokens, output_tokens))
+        while engine.has_unfinished():
+            started = self.clock()
+            engine.step()
+            times.append(self.clock() - started)
+        return times
+
     def _add_args(self, prompt_tokens: int,
                   output_tokens: int) -> tuple[str, list[int], SamplingParams]:
         index = next(self._ids)  # a fresh prompt every time: no prefix-cache hits
@@ -295,6 +312,10 @@ def calibrate(config: EngineConfig, design: Design | None = None, repeats: int =
     calibrator.run(Phase(4, 64, 4))  # warm-up: first calls allocate and pick kernels
     with serving_heap(engine.config.max_num_seqs):  # the collector as `fairgate engine` has it
         rounds = measure(calibrator, design.phases, repeats, say, after_round)
+        say(f"wake: {WAKE_PAIRS} pairs of one request, straight after work and after "
+            f"{WAKE_IDLE_S:g} s idle ...")
+        wake = measure_wake(calibrator, prompt_tokens=min(
+            WAKE_PROMPT, engine.config.resolved_max_model_len - WAKE_STEPS))
     split = len(design.train)
     train = [round_[:split] for round_ in rounds]
     coefficients, in_sample = fit(median_over_rounds(train))
@@ -313,7 +334,29 @@ def calibrate(config: EngineConfig, design: Design | None = None, repeats: int =
         f"{quality['held_out_steps']} held-out steps: R^2 {quality['r2']:.3f}, median relative "
         f"error {quality['median_rel_error']:.1%}, p90 {quality['p90_rel_error']:.1%}")
     say(f"step noise: {noise.describe()}")
-    return _profile(config, engine, coefficients, quality, noise)
+    say(f"wake: {wake.describe()} ({WAKE_PAIRS} pairs)")
+    return _profile(config, engine, coefficients, quality, noise, wake)
+
+
+def measure_wake(calibrator: Calibrator, idle_s: float = WAKE_IDLE_S, pairs: int = WAKE_PAIRS,
+                 prompt_tokens: int = WAKE_PROMPT, steps: int = WAKE_STEPS,
+                 sleep: Callable[[float], None] = time.sleep) -> Wake:
+    """What the first `steps` steps of a request cost after `idle_s` of idle beyond the same
+    steps straight after other work: `pairs` times one request right after the last, then the
+    same request after `sleep(idle_s)`; step by step, the median after idle minus the median
+    straight after (never below 0). A request before each straight one, not measured, takes
+    the steps that still carry the last idle's wake."""
+    straight: list[list[float]] = []
+    after_idle: list[list[float]] = []
+    for _ in range(pairs):
+        calibrator.steps_of_one(prompt_tokens, steps)
+        straight.append(calibrator.steps_of_one(prompt_tokens, steps))
+        sleep(idle_s)
+        after_idle.append(calibrator.steps_of_one(prompt_tokens, steps))
+    count = min(steps, *(len(t) for t in straight + after_idle))
+    extra = [max(0.0, float(np.median([t[k] for t in after_idle]))
+                 - float(np.median([t[k] for t in straight]))) for k in range(count)]
+    return Wake(idle_s, tuple(round(e, 6) for e in extra))
 
 
 def measure(calibrator: Calibrator, phases: Sequence[CalibrationPhase], repeats: int,
@@ -395,7 +438,8 @@ def median_over_rounds(rounds: Sequence[Sequence[Sequence[Sample]]]) -> list[Sam
 
 
 def _profile(config: EngineConfig, engine: LLMEngine, coefficients: np.ndarray,
-             quality: dict[str, float], noise: StepNoise | None = None) -> SimProfile:
+             quality: dict[str, float], noise: StepNoise | None = None,
+             wake: Wake | None = None) -> SimProfile:
     capacity, block_size = engine.capacity, engine.config.block_size
     inner = engine.executor.inner if isinstance(engine.executor, RecordingExecutor) else None
     device, dtype = getattr(inner, "device", config.device), getattr(inner, "dtype", config.dtype)
@@ -406,7 +450,7 @@ def _profile(config: EngineConfig, engine: LLMEngine, coefficients: np.ndarray,
         max_position=engine.executor.max_position, model=config.model,
         device=str(device), dtype=str(dtype).removeprefix("torch."), fit=quality,
         calibration={k: v for k, v in config.to_dict().items() if v != getattr(
-            EngineConfig(), k)}, noise=noise)
+            EngineConfig(), k)}, noise=noise, wake=wake)
 
 
 def evaluate(model: SimProfile | np.ndarray, samples: Sequence[Sample]) -> dict[str, float]:

@@ -21,7 +21,7 @@ import yaml
 
 from control.app import make_app
 from control.jobs import MAX_PROFILE_BYTES, NOT_HELD, PROFILE_FOLDER
-from engine.sim_profile import SimProfile, StepNoise
+from engine.sim_profile import SimProfile, StepNoise, Wake
 from gateway.config import GatewayConfig
 from tests.gateway.helpers import ServerThread, create_tenants, start_gateway
 from tests.support.waiting import wait_until
@@ -39,7 +39,8 @@ def _profile() -> SimProfile:
                       kv_tokens=400_000, kv_bytes_per_token=1024, max_position=8192,
                       model="random:tiny", device="cpu", dtype="float32",
                       fit={"r2": 0.99, "median_rel_error": 0.03},
-                      noise=StepNoise.measured([0.9, 0.95, 1.4, 1.0] * 50, block=32))
+                      noise=StepNoise.measured([0.9, 0.95, 1.4, 1.0] * 50, block=32),
+                      wake=Wake(0.2, (0.003, 0.0007)))
 
 
 def _profile_yaml() -> str:
@@ -198,6 +199,7 @@ async def test_an_uploaded_profile_is_named_by_a_job_whose_worker_runs_on_its_fi
     listed = await (await h.client.get("/admin/sim-profiles", headers=ADMIN)).json()
     assert [(p["name"], p["max_position"]) for p in listed["profiles"]] == [("l4-llama8b", 8192)]
     assert listed["profiles"][0]["noise"] == _profile().noise.summary()  # what the sim replays
+    assert listed["profiles"][0]["wake"] == {"idle_s": 0.2, "extra_s": [0.003, 0.0007]}
 
     resp = await h.client.post("/admin/tune-jobs", json={
         **QUICK, "set": {"sim_profile": "l4-llama8b"}}, headers=ADMIN)
@@ -232,6 +234,9 @@ async def test_an_uploaded_profile_is_named_by_a_job_whose_worker_runs_on_its_fi
     ("ok", _profile_yaml().replace("block: 32", "block: 0"), 400, "noise"),
     ("ok", _profile_yaml().replace("- 0.9", "- -0.9", 1), 400, "noise"),
     ("ok", _profile_yaml().replace("  block: 32", "  block: 32\n  colour: blue"), 400, "noise"),
+    ("ok", _profile_yaml().replace("idle_s: 0.2", "idle_s: 0"), 400, "wake"),
+    ("ok", _profile_yaml().replace("- 0.003", "- -0.003"), 400, "wake"),
+    ("ok", _profile_yaml().replace("idle_s: 0.2", "idle_s: 0.2\n  colour: blue"), 400, "wake"),
 ])
 async def test_an_upload_that_is_no_profile_is_refused_and_nothing_is_kept(
         aiohttp_client: Any, db_url: str, tmp_path: Path, name: str, body: str, status: int,

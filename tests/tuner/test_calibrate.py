@@ -59,6 +59,9 @@ def test_calibrate_writes_a_profile_the_sim_executor_loads(tmp_path: Path,
     # every measured step's unevenness, for the sim to replay (tests/engine/test_sim_noise.py)
     assert profile.noise is not None and len(profile.noise.ratios) >= profile.fit["steps"]
     assert f"step noise: {profile.noise.describe()}" in captured.err
+    # what the first steps after idle cost (tests/engine/test_sim_wake.py)
+    assert profile.wake is not None and len(profile.wake.extra_s) == calibration.WAKE_STEPS
+    assert f"wake: {profile.wake.describe()}" in captured.err
     assert set(profile.coefficients) == set(FEATURES)
     assert all(c >= 0 for c in profile.coefficients.values())
     assert profile.model == "random:tiny" and profile.max_position == 4096
