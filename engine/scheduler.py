@@ -71,6 +71,11 @@ class Scheduler:
         if live == 0:
             self.waiting.activate(request.tenant, self.live_per_tenant.keys())
         self.live_per_tenant[request.tenant] = live + 1
+        params, prompt = request.params, len(request.prompt_token_ids)
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        request.stop_ids = eos.union(params.stop_token_ids) if params.stop_token_ids else eos
+        request.stop_from = prompt + params.min_tokens
+        request.token_limit = min(prompt + params.max_tokens, self.max_model_len)
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
 
@@ -288,22 +293,16 @@ class Scheduler:
                 continue
             request.append_output(token, now)
             outputs[request.request_id] = [token]
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self._finish(request, reason)
-                result.finished[request.request_id] = reason
+            # the stop check, from the request's own fields (see `add`)
+            if token in request.stop_ids and request.num_tokens >= request.stop_from:
+                reason = FinishReason.STOP
+            elif request.num_tokens >= request.token_limit:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            self._finish(request, reason)
+            result.finished[request.request_id] = reason
         return result
-
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.params
-        num_output_tokens = len(request.output_token_ids)
-        if num_output_tokens >= params.min_tokens and (
-                token in params.stop_token_ids
-                or (not params.ignore_eos and token in self.eos_token_ids)):
-            return FinishReason.STOP
-        if num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def finish(self, request_id: str, reason: FinishReason) -> None:
         """End a request from outside the step (a stop string, an error)."""
@@ -365,22 +364,22 @@ class _StepBuilder:
         self.plan.num_batched_tokens += num_tokens
 
     def add_decode(self, request: Request) -> None:
-        """add(request, 1) for a request with one token to compute (it samples)."""
+        """add(request, 1) for a request with one token to compute (it samples). Decodes stay
+        out of the index: `completes` asks only about prefills, and `remove` finds them."""
         assert self.budget > 0
-        scheduled = ScheduledRequest(request, request.num_computed_tokens, 1, True)
-        self.plan.requests.append(scheduled)
-        self._index[request.request_id] = scheduled
+        self.plan.requests.append(ScheduledRequest(request, request.num_computed_tokens, 1, True))
         self.budget -= 1
         self.plan.num_batched_tokens += 1
 
     def completes(self, request: Request) -> bool:
-        """Scheduled this step through its last known token."""
+        """Scheduled this step through its last known token (asked of prefills only)."""
         scheduled = self._index.get(request.request_id)
         return scheduled is not None and scheduled.samples
 
     def remove(self, request: Request) -> None:
         """Take back a request scheduled earlier in this step (it is being preempted)."""
-        scheduled = self._index.pop(request.request_id, None)
+        scheduled = self._index.pop(request.request_id, None) or next(
+            (s for s in self.plan.requests if s.request is request), None)
         if scheduled is not None:
             self.plan.requests.remove(scheduled)
             self.budget += scheduled.num_tokens
