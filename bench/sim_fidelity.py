@@ -143,9 +143,9 @@ def _threads() -> int:
 
 
 def report(real: Figures, sim: Figures, baseline: Figures) -> int:
-    """The goals are the sim's (the profile as calibrated, step noise and all); `baseline` is
-    the same profile with every step at its predicted time, what the simulator did before it
-    replayed the noise (its misses are not counted)."""
+    """The goals are the sim's (the profile as calibrated, step noise and wake and all);
+    `baseline` is the same profile with every step at its predicted time, what the simulator
+    did before it replayed either (its misses are not counted)."""
     errors, baseline_errors = sim.relative_errors(real), baseline.relative_errors(real)
     print(f"{'':22}{'real':>10}{'sim':>10}{'error':>9}   goal{'':12}{'steady sim':>11}{'error':>9}")
     failed = 0

@@ -581,8 +581,7 @@ def profile_summary(name: str, profile: SimProfile) -> dict[str, Any]:
             "dtype": profile.dtype, "max_position": profile.max_position,
             "kv_tokens": profile.kv_tokens, "fit": dict(profile.fit),
             "noise": None if profile.noise is None else profile.noise.summary(),
-            "wake": None if profile.wake is None else {
-                "idle_s": profile.wake.idle_s, "extra_s": list(profile.wake.extra_s)}}
+            "wake": None if profile.wake is None else profile.wake.to_dict()}
 
 
 # ---- the manager --------------------------------------------------------------------------------

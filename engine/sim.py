@@ -232,12 +232,14 @@ class SimExecutor:
         return ModelOutput(sampled=sampled, step_time=step_time)
 
     def _wake_extra(self) -> float:
-        """The wake cost of this step: the idle spell before it ended at the last step's end."""
+        """What this step adds for the idle spell before it (the time since the last step
+        ended) or, within a few steps of one, for that spell."""
         assert self.wake is not None
-        idle = 0.0 if self._last_end is None else self.clock.now() - self._last_end
-        if self._last_end is None or idle >= WAKE_MIN_IDLE_S:
-            self._idle_s, self._since_idle = (
-                self.wake.idle_s if self._last_end is None else idle), 0
+        now = self.clock.now()
+        if self._last_end is None:  # a fresh engine starts cold
+            self._idle_s, self._since_idle = self.wake.idle_s, 0
+        elif now - self._last_end >= WAKE_MIN_IDLE_S:
+            self._idle_s, self._since_idle = now - self._last_end, 0
         else:
             self._since_idle += 1
         return self.wake.extra(self._since_idle, self._idle_s)

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import random
 import tempfile
@@ -127,8 +128,7 @@ class StepNoise:
     def __post_init__(self) -> None:
         if not self.ratios:
             raise ValueError("noise.ratios is empty; recalibrate, or delete `noise`")
-        if any(isinstance(r, bool) or not isinstance(r, int | float) or not r > 0
-               for r in self.ratios):
+        if not all(_finite(r) and r > 0 for r in self.ratios):
             raise ValueError("noise.ratios must all be numbers > 0")
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"noise.block must be a positive integer, got {self.block!r}")
@@ -175,13 +175,11 @@ class Wake:
     extra_s: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        if isinstance(self.idle_s, bool) or not isinstance(self.idle_s, int | float) or not (
-                self.idle_s > 0):
+        if not (_finite(self.idle_s) and self.idle_s > 0):
             raise ValueError(f"wake.idle_s must be a number > 0, got {self.idle_s!r}")
         if not 1 <= len(self.extra_s) <= MAX_WAKE_STEPS:
             raise ValueError(f"wake.extra_s must list 1 to {MAX_WAKE_STEPS} steps' extra seconds")
-        if any(isinstance(e, bool) or not isinstance(e, int | float) or not e >= 0
-               for e in self.extra_s):
+        if not all(_finite(e) and e >= 0 for e in self.extra_s):
             raise ValueError("wake.extra_s must all be numbers >= 0")
 
     def extra(self, step: int, idle_s: float) -> float:
@@ -190,9 +188,17 @@ class Wake:
             return 0.0
         return self.extra_s[step] * min(1.0, idle_s / self.idle_s)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"idle_s": self.idle_s, "extra_s": list(self.extra_s)}
+
     def describe(self) -> str:
         steps = ", ".join(f"{e * 1e3:.2f}" for e in self.extra_s)
         return f"after {self.idle_s:g} s idle, the first steps take +[{steps}] ms"
+
+
+def _finite(value: Any) -> bool:
+    """A real number, not a bool, not NaN or infinite (YAML's .inf and .nan load as floats)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def lag_one_autocorrelation(values: Sequence[float]) -> float:
@@ -265,8 +271,7 @@ class SimProfile:
                 "kv_tokens": self.kv_tokens, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "coefficients": {k: float(self.coefficients.get(k, 0.0)) for k in FEATURES},
                 "fit": dict(self.fit), "calibration": dict(self.calibration),
-                **({"wake": {"idle_s": self.wake.idle_s, "extra_s": list(self.wake.extra_s)}}
-                   if self.wake is not None else {}),
+                **({"wake": self.wake.to_dict()} if self.wake is not None else {}),
                 **({"noise": {"block": self.noise.block, "ratios": list(self.noise.ratios)}}
                    if self.noise is not None else {})}
 

@@ -88,6 +88,7 @@ def test_noise_round_trips_through_the_profile_file(tmp_path: Path) -> None:
     ({"ratios": []}, "noise.ratios is empty"),
     ({"ratios": [1.0, -0.5]}, "noise.ratios must all be numbers > 0"),
     ({"ratios": [1.0, "x"]}, "noise.ratios must all be numbers > 0"),
+    ({"ratios": [1.0, float("inf")]}, "noise.ratios must all be numbers > 0"),
     ({"ratios": [1.0], "block": 0}, "noise.block must be a positive integer"),
 ])
 def test_a_malformed_noise_section_is_a_clear_error(tmp_path: Path, noise: dict[str, object],

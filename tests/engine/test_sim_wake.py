@@ -36,6 +36,8 @@ def test_the_wake_round_trips_through_the_profile_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("idle_s", "extra_s", "message"), [
     (0, (0.001,), "wake.idle_s must be a number > 0"),
     ("0.2", (0.001,), "wake.idle_s must be a number > 0"),
+    (float("inf"), (0.001,), "wake.idle_s must be a number > 0"),
+    (0.2, (float("nan"),), "wake.extra_s must all be numbers >= 0"),
     (0.2, (), "wake.extra_s must list 1 to 16"),
     (0.2, (0.001,) * (MAX_WAKE_STEPS + 1), "wake.extra_s must list 1 to 16"),
     (0.2, (0.001, -0.001), "wake.extra_s must all be numbers >= 0"),
