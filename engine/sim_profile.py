@@ -40,7 +40,9 @@ process, the CPU's clock, the caches): on a 2-core VM the calibration's measured
 step times ran p10 0.89, p90 1.21, p99 1.53, with a lag-1 autocorrelation of 0.54 that was still
 0.07 a hundred steps on. A simulator that gives every step of one shape the same time gets the
 p50s right and reads the p99s low (bench/RESULTS.md, issue 24). `noise.ratios` are the
-calibration's own measured / predicted step times in the order they ran, scaled to a mean of 1
+calibration's own step times over what each step costs on an even machine (the median of its
+rounds' times; the fit's prediction where a phase's rounds ran other plans, so the fit's own
+misses are not counted as unevenness), in the order they ran, scaled to a mean of 1
 (so the coefficients still set the total); the sim executor multiplies each step's time by the
 next ratio of a circular block bootstrap over them (`StepNoise.stream`: runs of `block`
 consecutive ratios from random starts, seeded by the engine's `seed`), which keeps both their

@@ -379,17 +379,31 @@ def measure(calibrator: Calibrator, phases: Sequence[CalibrationPhase], repeats:
 
 def step_noise(coefficients: np.ndarray,
                rounds: Sequence[Sequence[Sequence[Sample]]]) -> StepNoise:
-    """Every measured step's time over the fitted prediction, round after round and phase after
-    phase in the order they ran (the phases run back to back, so a slow stretch of the machine
-    spans them), as the profile's `StepNoise`. Raw times, not the median over rounds: the
-    unevenness is what it records."""
+    """Every measured step's time over what that step costs on an even machine, round after
+    round and phase after phase in the order they ran (the phases run back to back, so a slow
+    stretch of the machine spans them), as the profile's `StepNoise`. Raw times, not the
+    median over rounds: the unevenness is what it records.
+
+    What a step costs on an even machine is the median of its rounds' times, when there are
+    three or more and the phase ran the same plans in each (the scheduler is deterministic, so
+    it does unless the KV cache ran differently); otherwise the fit's prediction. Against the
+    prediction alone, the fit's own misses (a shape of step it reads 20% short, every round)
+    would count as unevenness: runs of them, as correlated as the phase's steps, which the
+    simulator would then replay at random places (on 2026-12-05 they made the noise's lag-1
+    autocorrelation 0.8 and its p99 1.6, and the simulated p99s read 25-50% high)."""
+    typical: list[list[float] | None] = []
+    for runs in zip(*rounds, strict=True):  # one phase, every round
+        same = len(runs) >= 3 and all([f for f, _ in run] == [f for f, _ in runs[0]]
+                                      for run in runs)
+        typical.append(np.median(np.array([[t for _, t in run] for run in runs]), axis=0).tolist()
+                       if same else None)
     ratios = []
     for round_ in rounds:
-        for run in round_:
-            for features, elapsed in run:
-                predicted = float(np.dot(features, coefficients))
-                if predicted > 0:
-                    ratios.append(elapsed / predicted)
+        for run, medians in zip(round_, typical, strict=True):
+            for j, (features, elapsed) in enumerate(run):
+                expected = medians[j] if medians is not None else float(np.dot(features, coefficients))
+                if expected > 0:
+                    ratios.append(elapsed / expected)
     return StepNoise.measured(ratios or [1.0])
 
 

@@ -105,6 +105,16 @@ def pooled(results: Sequence[SimResult]) -> SimResult:
                      preemptions=sum(r.preemptions for r in results))
 
 
+def mean_figures(runs: Sequence[Figures]) -> Figures:
+    """The simulator's expected figures: each figure's mean over runs that differ only in the
+    seed of their step noise (one noise stream's p99 rests on where its few slow stretches
+    fell; the real engine is one draw of its own). `requests` is the fewest that finished."""
+    if not runs:
+        raise ValueError("no runs to average")
+    return Figures(requests=min(f.requests for f in runs),
+                   **{name: sum(getattr(f, name) for f in runs) / len(runs) for name in GOALS})
+
+
 def fidelity_figures(result: SimResult) -> Figures:
     done: list[RequestTiming] = [t for t in result.timings if t.ok]
     ttfts = sorted(t.ttft for t in done if t.ttft is not None)

@@ -73,6 +73,37 @@ def test_the_calibration_records_each_measured_step_over_its_prediction() -> Non
     assert noise.ratios == pytest.approx(uneven, abs=1e-4)  # in the order measured, mean 1
 
 
+def test_with_three_rounds_a_step_is_measured_against_its_own_median() -> None:
+    """The fit's own misses are not unevenness: a step the fit reads 30% short in every round
+    records ratios about 1; what one round ran slower than the others still shows."""
+    coefficients = np.array([1e-3, 1e-5])
+    shapes = [(1.0, 10.0), (1.0, 100.0), (1.0, 400.0)]
+    misfit = [1.0, 1.3, 1.0]  # the fit reads the middle shape short, every round
+    slow = [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.5, 1.5, 1.5]]  # the third round ran slow
+
+    def run(factors: list[float]) -> list[tuple[tuple[float, ...], float]]:
+        return [(f, float(np.dot(f, coefficients)) * m * k)
+                for f, m, k in zip(shapes, misfit, factors, strict=True)]
+
+    noise = step_noise(coefficients, [[run(r)] for r in slow])
+    raw = [1.0] * 6 + [1.5] * 3  # against each step's median over the rounds
+    assert noise.ratios == pytest.approx(np.array(raw) / np.mean(raw), abs=1e-4)
+
+
+def test_a_phase_that_ran_other_plans_is_measured_against_the_fit() -> None:
+    coefficients = np.array([1e-3, 1e-5])
+
+    def step(tokens: float, factor: float) -> tuple[tuple[float, ...], float]:
+        features = (1.0, tokens)
+        return features, float(np.dot(features, coefficients)) * factor
+
+    rounds = [[[step(10, 1.2), step(20, 1.2)]], [[step(10, 1.2), step(20, 1.2)]],
+              [[step(10, 1.2), step(30, 1.2)]]]  # the third round's plans differ
+    noise = step_noise(coefficients, rounds)
+    assert noise.ratios == pytest.approx([1.0] * 6, abs=1e-4)  # 1.2 each, scaled to a mean of 1
+    assert len(noise.ratios) == 6
+
+
 def test_noise_round_trips_through_the_profile_file(tmp_path: Path) -> None:
     noise = StepNoise(tuple(round(0.5 + (i % 7) / 7, 4) for i in range(1000)), block=64)
     path = saved(tmp_path, noise)

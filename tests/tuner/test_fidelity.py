@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from tuner.fidelity import fidelity_figures, pooled, segments
+from tuner.fidelity import GOALS, Figures, fidelity_figures, mean_figures, pooled, segments
 from tuner.simulate import simulate
 from tuner.traces import TraceRequest
 
@@ -51,3 +51,15 @@ def test_pooled_segments_are_one_run_of_their_requests() -> None:
     # one segment is the whole replay
     alone = simulate(SIM, requests)
     assert fidelity_figures(pooled([alone])) == fidelity_figures(alone)
+
+
+def test_the_sims_figures_are_the_mean_of_its_noise_draws() -> None:
+    draws = [Figures(300, 360.0, 0.050, 0.110, 0.008, 0.016),
+             Figures(299, 362.0, 0.052, 0.150, 0.009, 0.020)]
+    mean = mean_figures(draws)
+    assert mean.requests == 299  # the fewest that finished
+    for name in GOALS:
+        assert getattr(mean, name) == pytest.approx(sum(getattr(d, name) for d in draws) / 2)
+    assert mean_figures(draws[:1]) == draws[0]
+    with pytest.raises(ValueError, match="no runs"):
+        mean_figures([])
