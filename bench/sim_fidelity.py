@@ -15,9 +15,9 @@ machine whose speed drifts over minutes drifts under the calibration and the rep
 simulator replays the same segments, and the figures pool them. The simulator replays the
 profile's step noise (each segment with its own seed) and its wake cost (the first steps after
 idle); its figures are the means over `--sim-seeds` draws of the noise (the simulator's
-expected figures: one draw's p99 rests on where its few slow stretches fell); beside it, as the baseline, the same profile with every step at its predicted time (the
-steady sim, what it was before both). Prints
-throughput (output tokens/s), p50/p99 TTFT and TPOT (each request's mean inter-token gap, the
+expected figures: one draw's p99 rests on where its few slow stretches fell); beside it, as the
+baseline, the same profile with every step at its predicted time (the steady sim, what it was
+before both). Prints throughput (output tokens/s), p50/p99 TTFT and TPOT (each request's mean inter-token gap, the
 tuner's ITL) for both, the relative errors, and PASS/FAIL against issue 14's goals: within 10%
 for throughput and the p50s, 20% for the p99s. Exit status 1 when a goal is missed.
 `--noise-floor` replays each segment a second time and holds that replay to the same goals
@@ -82,7 +82,7 @@ def main() -> int:
     parser.add_argument("--noise-floor", action="store_true",
                         help="replay each segment twice and hold the second real replay to the "
                              "goals against the first (the machine's own run-to-run spread)")
-    parser.add_argument("--sim-seeds", type=int, default=8,
+    parser.add_argument("--sim-seeds", type=_positive, default=8,
                         help="noise draws the sim's figures are the mean of (default 8): one "
                              "draw's p99 rests on where its slow stretches fell")
     parser.add_argument("--threads", type=int, default=None,
@@ -105,7 +105,6 @@ def main() -> int:
     parts = segments(requests, args.repeats if interleave else 1)
     real_parts: list[SimResult] = []
     replay_s = [0.0]  # seconds the real replay took, within the calibration when interleaved
-
     again_parts: list[SimResult] = []  # --noise-floor: each segment replayed a second time
 
     def replay_next(_round: int = 0) -> None:
@@ -164,6 +163,13 @@ def main() -> int:
     if again_parts:
         noise_floor(real_figures, fidelity_figures(pooled(again_parts)))
     return failed
+
+
+def _positive(text: str) -> int:
+    value = int(text) if text.strip().isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
 
 
 def _threads() -> int:

@@ -391,12 +391,8 @@ def step_noise(coefficients: np.ndarray,
     would count as unevenness: runs of them, as correlated as the phase's steps, which the
     simulator would then replay at random places (on 2026-12-05 they made the noise's lag-1
     autocorrelation 0.8 and its p99 1.6, and the simulated p99s read 25-50% high)."""
-    typical: list[list[float] | None] = []
-    for runs in zip(*rounds, strict=True):  # one phase, every round
-        same = len(runs) >= 3 and all([f for f, _ in run] == [f for f, _ in runs[0]]
-                                      for run in runs)
-        typical.append(np.median(np.array([[t for _, t in run] for run in runs]), axis=0).tolist()
-                       if same else None)
+    typical = [median_times(runs) if len(runs) >= 3 else None
+               for runs in zip(*rounds, strict=True)]  # one phase, every round
     ratios = []
     for round_ in rounds:
         for run, medians in zip(round_, typical, strict=True):
@@ -442,13 +438,21 @@ def median_over_rounds(rounds: Sequence[Sequence[Sequence[Sample]]]) -> list[Sam
     another process slowed down. A phase whose rounds differ keeps every round's steps."""
     merged: list[Sample] = []
     for runs in zip(*rounds, strict=True):  # one phase, every round
-        features = [[f for f, _ in run] for run in runs]
-        if any(f != features[0] for f in features):
+        times = median_times(runs)
+        if times is None:
             merged += [s for run in runs for s in run]
-            continue
-        times = np.median(np.array([[t for _, t in run] for run in runs]), axis=0)
-        merged += list(zip(features[0], times.tolist(), strict=True))
+        else:
+            merged += list(zip([f for f, _ in runs[0]], times, strict=True))
     return merged
+
+
+def median_times(runs: Sequence[Sequence[Sample]]) -> list[float] | None:
+    """Each step's median time over `runs` (one phase's rounds), or None when the rounds ran
+    different plans (their steps' features differ)."""
+    features = [[f for f, _ in run] for run in runs]
+    if any(f != features[0] for f in features):
+        return None
+    return np.median(np.array([[t for _, t in run] for run in runs]), axis=0).tolist()
 
 
 def _profile(config: EngineConfig, engine: LLMEngine, coefficients: np.ndarray,
