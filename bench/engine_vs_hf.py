@@ -72,7 +72,7 @@ def run_fairgate(folder: Path, work: list[tuple[list[int], int]]) -> dict[str, A
         out = engine.step()
         step_total += time.perf_counter() - before
         executing += out.step_time
-        tokens += sum(len(t) for t in out.outputs.values())
+        tokens += len(out.sampled)
         steps += 1
     elapsed = time.perf_counter() - started
     timers = executor.timers

@@ -356,10 +356,10 @@ class AsyncEngine:
             logger.exception("engine step failed; failing its requests")
             self._fail_all()
             return
-        for request_id, token_ids in output.outputs.items():
-            self._outputs.emit(request_id, token_ids, output.finished.get(request_id))
+        for request_id, token in output.sampled.items():
+            self._outputs.emit(request_id, [token], output.finished.get(request_id))
         for request_id, reason in output.finished.items():
-            if request_id not in output.outputs:
+            if request_id not in output.sampled:
                 self._outputs.emit(request_id, [], reason)
         for observer in self._observers:
             _notify(observer.on_step, output)

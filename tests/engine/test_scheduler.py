@@ -31,10 +31,10 @@ def test_long_prompt_is_chunked_around_running_decodes(budget: int, decodes: int
     chunks = []
     for _ in range(100):
         out = engine.step()
-        assert all(out.scheduled[r] == 1 and len(out.outputs[r]) == 1 for r in ids)
+        assert all(out.scheduled[r] == 1 and r in out.sampled for r in ids)
         assert out.num_batched_tokens <= budget
         chunks.append(out.scheduled["long"])
-        if "long" in out.outputs:
+        if "long" in out.sampled:
             break
     full, last = divmod(20000, chunk)
     expected = [chunk] * full + ([last] if last else [])
@@ -173,8 +173,8 @@ def test_recompute_preemption_reproduces_the_same_tokens() -> None:
             engine.add_request(f"r{i}", [i + 1] * 30, SamplingParams(max_tokens=40))
         tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
         while engine.has_unfinished():
-            for rid, new in engine.step().outputs.items():
-                tokens[rid] += new
+            for rid, token in engine.step().sampled.items():
+                tokens[rid].append(token)
         return tokens, engine.stats()["num_preemptions"]
 
     roomy, none = run(64)

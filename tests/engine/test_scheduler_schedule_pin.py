@@ -98,7 +98,8 @@ def run_scenario(knobs: dict[str, Any], mix: dict[str, Any]) -> list[Any]:
         }
         result = scheduler.update(plan, engine.executor.execute(plan).sampled)
         step["finished"] = sorted(result.finished.items())
-        step["outputs"] = sorted(result.outputs.items())
+        # as lists, the shape the pinned digests were taken with
+        step["outputs"] = sorted((rid, [token]) for rid, token in result.sampled.items())
         scheduler.check_invariants()
         trace.append(step)
     assert not engine.has_unfinished()

@@ -130,7 +130,8 @@ def test_sim_tokens_are_printable_and_never_eos() -> None:
     engine.add_request("a", [1, 2], SamplingParams(max_tokens=200))
     tokens: list[int] = []
     while engine.has_unfinished():
-        tokens += engine.step().outputs.get("a", [])
+        if (token := engine.step().sampled.get("a")) is not None:
+            tokens.append(token)
     assert len(tokens) == 200
     text = engine.tokenizer.decode(tokens)
     assert text.replace(" ", "").isalpha() and text.islower()

@@ -35,8 +35,8 @@ def _generate(attention_backend: str, kv_cache_dtype: str) -> dict[str, list[int
     finished: set[str] = set()
     for _ in range(200):
         out = eng.step()
-        for rid, new in out.outputs.items():
-            tokens[rid].extend(new)
+        for rid, token in out.sampled.items():
+            tokens[rid].append(token)
         finished.update(out.finished)
         if finished == set(PROMPTS):
             return tokens
