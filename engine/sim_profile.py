@@ -42,11 +42,12 @@ step times ran p10 0.89, p90 1.21, p99 1.53, with a lag-1 autocorrelation of 0.5
 p50s right and reads the p99s low (bench/RESULTS.md, issue 24). `noise.ratios` are the
 calibration's own step times over what each step costs on an even machine (the median of its
 rounds' times; the fit's prediction where a phase's rounds ran other plans, so the fit's own
-misses are not counted as unevenness), in the order they ran, scaled to a mean of 1
-(so the coefficients still set the total); the sim executor multiplies each step's time by the
-next ratio of a circular block bootstrap over them (`StepNoise.stream`: runs of `block`
-consecutive ratios from random starts, seeded by the engine's `seed`), which keeps both their
-spread and their stretches. A profile without `noise` simulates every step at its predicted time.
+misses are not counted as unevenness; a round another process disturbed left out), in the
+order they ran, scaled to a mean of 1 (so the coefficients still set the total); the sim
+executor multiplies each step's time by the next ratio of a circular block bootstrap over them
+(`StepNoise.stream`: runs of `block` consecutive ratios from random starts, seeded by the
+engine's `seed`), which keeps both their spread and their stretches. A profile without
+`noise` simulates every step at its predicted time.
 
 Wake: the calibration runs its steps back to back, but a server is often idle between requests,
 and the first steps after an idle spell run slower (caches and the CPU gone cold: on a 2-core

@@ -55,6 +55,7 @@ GRID_BATCHES = (1, 2, 3, 5, 8, 13, 21, 34)
 GRID_PROMPTS = (24, 90, 250, 500, 1000)
 MIX_CONCURRENCY = (2, 6, 16)  # the mixes fitted
 HELD_OUT_CONCURRENCY = 4  # the mix held out
+DISTURBED_ROUND = 1.25  # a round's p99 step ratio over the median round's: disturbed, left out
 MIN_PROMPT, MIN_OUTPUT = 16, 4  # a mix's shortest request
 # Outputs long enough that most decodes are measured in their steady state: the few decode
 # steps right after a prefill run slower (the prefill's activations have left the caches), and
@@ -322,7 +323,7 @@ def calibrate(config: EngineConfig, design: Design | None = None, repeats: int =
     scale = mean_scale(coefficients, train)
     coefficients = coefficients * scale
     held_out = evaluate(coefficients, median_over_rounds([r[split:] for r in rounds]))
-    noise = step_noise(coefficients, rounds)
+    noise = step_noise(coefficients, rounds, say)
     quality = {"steps": in_sample["steps"], "held_out_steps": held_out["steps"],
                "outliers_dropped": in_sample["outliers_dropped"], "r2": held_out["r2"],
                "median_rel_error": held_out["median_rel_error"],
@@ -377,8 +378,8 @@ def measure(calibrator: Calibrator, phases: Sequence[CalibrationPhase], repeats:
     return rounds
 
 
-def step_noise(coefficients: np.ndarray,
-               rounds: Sequence[Sequence[Sequence[Sample]]]) -> StepNoise:
+def step_noise(coefficients: np.ndarray, rounds: Sequence[Sequence[Sequence[Sample]]],
+               say: Progress | None = None) -> StepNoise:
     """Every measured step's time over what that step costs on an even machine, round after
     round and phase after phase in the order they ran (the phases run back to back, so a slow
     stretch of the machine spans them), as the profile's `StepNoise`. Raw times, not the
@@ -390,17 +391,41 @@ def step_noise(coefficients: np.ndarray,
     prediction alone, the fit's own misses (a shape of step it reads 20% short, every round)
     would count as unevenness: runs of them, as correlated as the phase's steps, which the
     simulator would then replay at random places (on 2026-12-05 they made the noise's lag-1
-    autocorrelation 0.8 and its p99 1.6, and the simulated p99s read 25-50% high)."""
+    autocorrelation 0.8 and its p99 1.6, and the simulated p99s read 25-50% high).
+
+    A round that another process disturbed (`disturbed_rounds`) is left out, as the median
+    over rounds leaves it out of the fit; `say` names it."""
     typical = [median_times(runs) if len(runs) >= 3 else None
                for runs in zip(*rounds, strict=True)]  # one phase, every round
-    ratios = []
+    per_round: list[list[float]] = []
     for round_ in rounds:
+        per_round.append([])
         for run, medians in zip(round_, typical, strict=True):
             for j, (features, elapsed) in enumerate(run):
                 expected = medians[j] if medians is not None else float(np.dot(features, coefficients))
                 if expected > 0:
-                    ratios.append(elapsed / expected)
+                    per_round[-1].append(elapsed / expected)
+    p99s = [percentile(r, 99) if r else 1.0 for r in per_round]
+    left_out = disturbed_rounds(p99s)
+    if left_out and say is not None:
+        say("step noise: " + "; ".join(
+            f"round {i + 1} left out, disturbed (its p99 step ran {p99s[i]:.2f}x the step's "
+            f"median over the rounds, the typical round's {np.median(p99s):.2f}x)"
+            for i in left_out))
+    ratios = [r for i, ratios in enumerate(per_round) if i not in left_out for r in ratios]
     return StepNoise.measured(ratios or [1.0])
+
+
+def disturbed_rounds(p99s: Sequence[float], tolerance: float = DISTURBED_ROUND) -> list[int]:
+    """The rounds (0-based) whose p99 step ratio (`p99s`, one a round) is above `tolerance`
+    times the median round's, given three or more rounds: on a calm machine the rounds' p99s
+    lie within about 10% of each other (1.06-1.17 on 2026-12-05), and a round that another
+    process shared the cores with reads far above them. Its slow stretches are that process's,
+    not the engine's."""
+    if len(p99s) < 3:
+        return []
+    limit = tolerance * float(np.median(p99s))
+    return [i for i, p99 in enumerate(p99s) if p99 > limit]
 
 
 def check_fit(fit: dict[str, float], min_r2: float = MIN_R2,

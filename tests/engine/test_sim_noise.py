@@ -20,7 +20,7 @@ from engine.sim_profile import (
     load_profile,
     save_profile,
 )
-from tuner.calibrate import step_noise
+from tuner.calibrate import DISTURBED_ROUND, disturbed_rounds, step_noise
 from tuner.fidelity import fidelity_figures
 from tuner.simulate import simulate
 from tuner.traces import TraceRequest
@@ -79,15 +79,51 @@ def test_with_three_rounds_a_step_is_measured_against_its_own_median() -> None:
     coefficients = np.array([1e-3, 1e-5])
     shapes = [(1.0, 10.0), (1.0, 100.0), (1.0, 400.0)]
     misfit = [1.0, 1.3, 1.0]  # the fit reads the middle shape short, every round
-    slow = [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.5, 1.5, 1.5]]  # the third round ran slow
+    slow = [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.2, 1.0]]  # a step of the third ran slow
 
     def run(factors: list[float]) -> list[tuple[tuple[float, ...], float]]:
         return [(f, float(np.dot(f, coefficients)) * m * k)
                 for f, m, k in zip(shapes, misfit, factors, strict=True)]
 
     noise = step_noise(coefficients, [[run(r)] for r in slow])
-    raw = [1.0] * 6 + [1.5] * 3  # against each step's median over the rounds
+    raw = [1.0] * 6 + [1.0, 1.2, 1.0]  # against each step's median over the rounds
     assert noise.ratios == pytest.approx(np.array(raw) / np.mean(raw), abs=1e-4)
+
+
+def test_a_disturbed_round_is_left_out_of_the_noise_and_named() -> None:
+    """A round that another process slowed (its p99 step far above the other rounds') is that
+    process's unevenness, not the engine's: left out, as the median over rounds leaves it out
+    of the fit. The other rounds' unevenness stays, in order."""
+    coefficients = np.array([1e-3, 1e-5])
+    shapes = [(1.0, float(t)) for t in range(10, 210, 10)]  # 20 steps a round
+    calm = [1.0] * 20
+    uneven = [1.0] * 5 + [1.1] + [1.0] * 14  # a calm round's own slow step
+    disturbed = [1.0] * 10 + [2.0] * 10  # another process took the cores half the round
+
+    def run(factors: list[float]) -> list[tuple[tuple[float, ...], float]]:
+        return [(f, float(np.dot(f, coefficients)) * k) for f, k in zip(shapes, factors, strict=True)]
+
+    said: list[str] = []
+    noise = step_noise(coefficients, [[run(calm)], [run(disturbed)], [run(uneven)]], said.append)
+    assert noise.ratios == pytest.approx(np.array(calm + uneven) / np.mean(calm + uneven),
+                                         abs=1e-4)
+    assert len(said) == 1 and "round 2 left out" in said[0] and "2.00x" in said[0], said
+    said.clear()
+    kept = step_noise(coefficients, [[run(calm)], [run(uneven)], [run(calm)]], said.append)
+    assert len(kept.ratios) == 60 and not said  # calm rounds: nothing left out, nothing said
+
+
+@given(p99s=st.lists(st.floats(0.5, 5.0), min_size=1, max_size=12))
+def test_at_most_half_the_rounds_are_ever_left_out(p99s: list[float]) -> None:
+    left_out = disturbed_rounds(p99s)
+    assert len(left_out) <= len(p99s) // 2
+    if len(p99s) < 3:
+        assert left_out == []  # too few rounds to tell which one was disturbed
+    else:
+        kept = [p99s[i] for i in range(len(p99s)) if i not in left_out]
+        assert all(p99s[i] > max(kept) for i in left_out)  # the most uneven rounds go first
+        assert all(p99s[i] > DISTURBED_ROUND * min(kept) for i in left_out)  # and far out
+        assert max(kept) <= DISTURBED_ROUND * float(np.median(p99s))
 
 
 def test_a_phase_that_ran_other_plans_is_measured_against_the_fit() -> None:
