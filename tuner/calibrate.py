@@ -412,8 +412,8 @@ def step_noise(coefficients: np.ndarray, rounds: Sequence[Sequence[Sequence[Samp
             f"round {i + 1} left out, disturbed (its p99 step ran {p99s[i]:.2f}x the step's "
             f"median over the rounds, the typical round's {np.median(p99s):.2f}x)"
             for i in left_out))
-    ratios = [r for i, ratios in enumerate(per_round) if i not in left_out for r in ratios]
-    return StepNoise.measured(ratios or [1.0])
+    kept = [r for i, round_ratios in enumerate(per_round) if i not in left_out for r in round_ratios]
+    return StepNoise.measured(kept or [1.0])
 
 
 def disturbed_rounds(p99s: Sequence[float], tolerance: float = DISTURBED_ROUND) -> list[int]:
