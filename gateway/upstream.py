@@ -85,7 +85,7 @@ class _Connection(asyncio.Protocol):
         self.deadline = math.inf  # loop time: the answer (or, when stalls are watched, more of it)
         self.stall: float | None = None  # watching stalls: each read moves the deadline this far
         self.patience: Patience | None = None
-        self.timeout_message = ""
+        self.timeout_message: Callable[[], str] = str  # what UpstreamTimeout says, built then
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -178,15 +178,20 @@ class _Connection(asyncio.Protocol):
             await self._wait()
 
     # ---- deadlines ------------------------------------------------------------------------------
-    def expect_by(self, deadline: float, message: str, patience: Patience | None = None) -> None:
-        """Fail the exchange with UpstreamTimeout(`message`) unless it is over by `deadline`
-        (loop time); `patience` may grant more time when it passes."""
+    def expect_by(self, deadline: float, message: Callable[[], str],
+                  patience: Patience | None = None) -> None:
+        """Fail the exchange with UpstreamTimeout(`message()`) unless it is over by `deadline`
+        (loop time); `patience` may grant more time when it passes. The message is built only
+        when it is needed, not for every request."""
         self.deadline, self.timeout_message, self.patience = deadline, message, patience
         self._arm(deadline)
 
-    def watch_stalls(self, seconds: float, message: str) -> None:
+    def watch_stalls(self, seconds: float) -> None:
         self.stall = seconds
-        self.expect_by(self.loop.time() + seconds, message)
+        self.expect_by(self.loop.time() + seconds, self._stalled)
+
+    def _stalled(self) -> str:
+        return f"the backend sent nothing for {self.stall:g} s mid-answer"
 
     def _arm(self, when: float) -> None:
         if self._timer is not None:
@@ -214,7 +219,7 @@ class _Connection(asyncio.Protocol):
         if now < self.deadline:
             self._arm(self.deadline)
             return
-        self._fail(UpstreamTimeout(self.timeout_message))
+        self._fail(UpstreamTimeout(self.timeout_message()))
 
     def abort(self) -> None:
         """Close now: data not yet sent is dropped (a stopped backend may never read it)."""
@@ -256,7 +261,7 @@ class Response:
         (instead of the request's `timeout` running on)."""
         conn = self._conn
         if not conn.complete:  # a whole answer already here (the usual one) needs no timer
-            conn.watch_stalls(seconds, f"the backend sent nothing for {seconds:g} s mid-answer")
+            conn.watch_stalls(seconds)
 
     def close(self) -> None:
         """Back to the pool if read to the end on a keep-alive connection, else closed."""
@@ -387,13 +392,17 @@ class UpstreamPool:
 class _Limit:
     """One request's `timeout`, as a deadline on the loop's clock from when it was asked."""
 
-    __slots__ = ("deadline", "message", "patience")
+    __slots__ = ("deadline", "method", "path", "timeout", "patience")
 
     def __init__(self, method: str, path: str, timeout: float | None,
                  patience: Patience | None) -> None:
         self.deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        self.message = f"no answer to {method} {path} within {timeout:g} s" if timeout else ""
+        self.method, self.path, self.timeout = method, path, timeout
         self.patience = patience
+
+    def message(self) -> str:
+        """What UpstreamTimeout says when the deadline passes (formatted then, not per request)."""
+        return f"no answer to {self.method} {self.path} within {self.timeout:g} s"
 
     def left(self) -> float | None:
         if self.deadline is None:

@@ -367,6 +367,8 @@ class RemoteBackend:
         except (ValueError, AttributeError, TypeError, IndexError):
             raise ApiError(502, "the engine backend returned a malformed response",
                            code="bad_gateway") from None
+        if body.get("model") == job.req.model:
+            return raw  # the usual answer: passed on as the engine wrote it, not encoded again
         body["model"] = job.req.model
         return json.dumps(body, separators=(",", ":")).encode()
 

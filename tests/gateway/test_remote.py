@@ -48,6 +48,40 @@ async def test_openai_backend_passthrough_gets_salt(aiohttp_client: Any, aiohttp
     assert sent["cache_salt"] == "acme" and "priority" not in sent
 
 
+@pytest.mark.parametrize("answered", ["fake-model", "fake-model-2025-01-01"])
+async def test_a_whole_answer_names_the_model_the_client_asked_for(
+        aiohttp_client: Any, aiohttp_server: Any, db_url: str, answered: str) -> None:
+    """An answer that names the asked-for model goes on byte for byte as the backend wrote it
+    (not decoded and encoded again); one naming another (an upstream's dated snapshot) is
+    rewritten to the asked-for name, the rest of it unchanged."""
+    sent = json.dumps({"id": "cmpl-1", "object": "text_completion", "model": answered,
+                       "choices": [{"index": 0, "text": "héllo", "finish_reason": "length"}],
+                       "usage": {"prompt_tokens": 2, "completion_tokens": 3,
+                                 "total_tokens": 5}}).encode()  # spaced, \u-escaped
+
+    async def completions(request: web.Request) -> web.Response:
+        return web.Response(body=sent, content_type="application/json")
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    server = await aiohttp_server(app)
+    h = await start_gateway(aiohttp_client, db_url, gateway={
+        "backends": [{"url": str(server.make_url("/")), "kind": "openai",
+                      "model": "fake-model"}]})
+    resp = await h.post("acme", completion(model="fake-model", max_tokens=3))
+    raw = await resp.read()
+    assert resp.status == 200, raw
+    if answered == "fake-model":
+        assert raw == sent
+    else:
+        assert json.loads(raw) == {**json.loads(sent), "model": "fake-model"}
+    assert h.gateway.limiter.usage("acme") == (1, 5)  # settled with the backend's usage
+
+
 @pytest.mark.parametrize("line_end", ["\r\n", "\r"])
 async def test_stream_from_a_backend_with_crlf_or_cr_line_ends(
         aiohttp_client: Any, aiohttp_server: Any, db_url: str, line_end: str) -> None:

@@ -7,6 +7,8 @@ import dataclasses
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import SamplingParams
 from protocol.errors import ApiError
@@ -17,6 +19,8 @@ from protocol.openai import (
     REQUEST_FIELDS,
     SAMPLING_FIELDS,
     parse_request,
+    read_field,
+    request_fields,
 )
 
 
@@ -97,3 +101,58 @@ def test_omitted_fields_are_the_engines_defaults() -> None:
 def test_the_table_is_one_entry_per_name() -> None:
     assert len(FIELDS) == len(REQUEST_FIELDS)
     assert all(f.endpoints for f in REQUEST_FIELDS)
+
+
+# ---- the parser reads only what a body sends: the same answer as reading every field ---------
+_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 70000), st.floats(-3, 3, allow_nan=False),
+    st.sampled_from(["", "hi", "auto", "batch", "interactive", "length"]),
+    st.lists(st.integers(-1, 300), max_size=3),
+    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bot"]),
+                                    "content": st.sampled_from(["x", "", 3])}), max_size=2),
+    st.fixed_dictionaries({"include_usage": st.booleans()}),
+)
+_NAMES = st.sampled_from([f.name for f in REQUEST_FIELDS] + ["unknown_field", "user"])
+
+
+def _every_field(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    """The table walk parse_request did before it skipped omitted fields: each field in order,
+    read when sent or required, else its default; the first bad one raises."""
+    values = {}
+    for spec in request_fields(endpoint):
+        value = body.get(spec.name)
+        values[spec.name] = (spec.default if value is None and not spec.required
+                             else read_field(spec, value))
+    return values
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        return call()
+    except ApiError as exc:
+        return ("error", exc.status, exc.message, exc.param, exc.code)
+
+
+@settings(max_examples=400, deadline=None)
+@given(body=st.dictionaries(_NAMES, _VALUES, max_size=8),
+       endpoint=st.sampled_from(["chat", "completions"]))
+def test_reading_only_the_sent_fields_answers_as_reading_every_field(
+        body: dict[str, Any], endpoint: str) -> None:
+    """Whatever the body, parse_request fails on the same field with the same message as the
+    whole table walk (the first bad field in the table's order, not the body's), or reads the
+    same values: each field the walk read, with the same value."""
+    walked = _outcome(lambda: _every_field(body, endpoint))
+    parsed = _outcome(lambda: parse_request(body, endpoint))
+    if isinstance(walked, tuple):
+        assert parsed == walked
+        return
+    assert not isinstance(parsed, tuple), parsed
+    expected_tokens = walked.get("max_completion_tokens")
+    assert parsed.max_tokens == (walked["max_tokens"] if expected_tokens is None
+                                 else expected_tokens)
+    assert (parsed.model, parsed.stream, parsed.priority, parsed.tenant) == (
+        walked["model"] or None, walked["stream"], walked["priority"], walked["tenant"])
+    assert parsed.messages == walked.get("messages") and parsed.prompt == walked.get("prompt")
+    for name in SAMPLING_FIELDS:
+        want = walked[name]
+        assert parsed.sampling[name] == (0 if name == "top_k" and want == -1 else want), name
