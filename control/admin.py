@@ -104,8 +104,8 @@ async def shadow_stats(request: web.Request) -> web.Response:
     detail = request.query.get("detail", "0") in ("1", "true")
     # up to 50,000 pairs and their bootstrap: in a thread, never on the event loop (the
     # window's pairs are copied here first, while nothing else touches them)
-    pairs = mirror.window(window, sent_after)
-    return web.json_response(await asyncio.to_thread(mirror.stats, window, pairs, 0, detail))
+    rows = mirror.window(window, sent_after)
+    return web.json_response(await asyncio.to_thread(mirror.stats, window, rows, 0, detail))
 
 
 # ---- trace capture (control/capture.py) -------------------------------------------------------

@@ -66,10 +66,18 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from gateway.events import RequestFinished, RequestObserver
-from protocol.measures import SLO, RequestTiming, attainment
+from protocol.measures import (
+    SLO,
+    SLO_FIELDS,
+    TIMING_FIELDS,
+    RequestTiming,
+    attainment,
+    slo_fields,
+    timing_fields,
+)
 from protocol.serving import wait_event
 from protocol.stats import percentile, percentile_of_sorted, share_difference_interval
 
@@ -113,47 +121,70 @@ class Attempt:
     failed: bool
 
 
-Timed = TypeVar("Timed", Served, Attempt)
+# A window's entry as it is kept: a flat tuple the collector stops tracking
+# (protocol.measures.timing_fields), so the window's 200,000 requests are not walked by every
+# full collection of a busy gateway's heap.
+#   served:  (at, backend, tenant, *slo_fields(slo), *timing_fields(timing))
+#   attempt: (at, backend, failed)
+Row = tuple[Any, ...]
+_TIMING = 3 + SLO_FIELDS  # where a served row's timing begins
+
+
+def served_row(at: float, backend: str, tenant: str, slo: SLO, timing: RequestTiming) -> Row:
+    return (at, backend, tenant, *slo_fields(slo), *timing_fields(timing))
+
+
+def served_from_row(row: Row) -> Served:
+    return Served(row[0], row[1], row[2], SLO(*row[3:_TIMING]),
+                  RequestTiming(*row[_TIMING:_TIMING + TIMING_FIELDS]))
 
 
 class ServedWindow(RequestObserver):
     """The live requests served lately, by backend, and the attempts heard while an apply
     runs: what a canary is judged on. `failure` is set at each failed attempt. Subscribed to
-    the gateway's finished requests (those that reached a backend)."""
+    the gateway's finished requests (those that reached a backend). Entries are kept as rows
+    (`served_row`) and read back as Served and Attempt objects."""
 
     def __init__(self, maxlen: int = MAX_SERVED) -> None:
-        self.items: deque[Served] = deque(maxlen=maxlen)
-        self.attempts: deque[Attempt] = deque(maxlen=maxlen)
+        self.items: deque[Row] = deque(maxlen=maxlen)
+        self.attempts: deque[Row] = deque(maxlen=maxlen)
         self.failure = asyncio.Event()
 
     def record(self, backend: str, tenant: str, slo: SLO, timing: RequestTiming) -> None:
-        self.items.append(Served(time.monotonic(), backend, tenant, slo, timing))
+        self.items.append(served_row(time.monotonic(), backend, tenant, slo, timing))
 
     def finished(self, event: RequestFinished) -> None:
         if event.backend is not None:
             self.record(event.backend, event.tenant, event.slo, event.timing)
 
     def attempt(self, backend: str, failed: bool) -> None:
-        self.attempts.append(Attempt(time.monotonic(), backend, failed))
+        self.attempts.append((time.monotonic(), backend, failed))
         if failed:
             self.failure.set()
 
-    def between(self, start: float, end: float, backends: set[str]) -> list[Served]:
+    def rows_between(self, start: float, end: float, backends: set[str]) -> list[Row]:
+        """The served rows in [start, end) of `backends` (a filter: cheap on the event loop)."""
         return _between(self.items, start, end, backends)
 
-    def attempts_between(self, start: float, end: float, backends: set[str]) -> list[Attempt]:
+    def attempt_rows_between(self, start: float, end: float, backends: set[str]) -> list[Row]:
         return _between(self.attempts, start, end, backends)
 
+    def between(self, start: float, end: float, backends: set[str]) -> list[Served]:
+        return [served_from_row(row) for row in self.rows_between(start, end, backends)]
 
-def _between(items: deque[Timed], start: float, end: float, backends: set[str]) -> list[Timed]:
-    """Oldest first; only the part of the window at or after `start` is read (items are
-    appended in time order)."""
+    def attempts_between(self, start: float, end: float, backends: set[str]) -> list[Attempt]:
+        return [Attempt(*row) for row in self.attempt_rows_between(start, end, backends)]
+
+
+def _between(rows: deque[Row], start: float, end: float, backends: set[str]) -> list[Row]:
+    """Oldest first; only the part of the window at or after `start` is read (rows are
+    appended in time order; each begins with its time and backend)."""
     found = []
-    for s in reversed(items):
-        if s.at < start:
+    for row in reversed(rows):
+        if row[0] < start:
             break
-        if s.at < end and s.backend in backends:
-            found.append(s)
+        if row[0] < end and row[1] in backends:
+            found.append(row)
     found.reverse()
     return found
 
@@ -513,18 +544,19 @@ class Apply:
             await self.step(state, step)
 
     def _sides(self, before: float, applied: float,
-               now: float) -> tuple[list[Served], list[Served], list[Attempt], list[Attempt]]:
+               now: float) -> tuple[list[Row], list[Row], list[Row], list[Row]]:
         """The canary's requests and attempts since the change, and the baseline's: the
-        others' over the same span, or (one engine) its own in as long a time before it."""
+        others' over the same span, or (one engine) its own in as long a time before it; as
+        the window keeps them (read back as objects in `_judge`, off the event loop)."""
         plan, window = self.plan, self.window
         mine = {plan.canary}
         if plan.others:
             start, end, theirs = applied, now, set(plan.others)
         else:
             start, end, theirs = before - max(now - applied, plan.canary_window_s), before, mine
-        return (window.between(applied, now, mine), window.between(start, end, theirs),
-                window.attempts_between(applied, now, mine),
-                window.attempts_between(start, end, theirs))
+        return (window.rows_between(applied, now, mine), window.rows_between(start, end, theirs),
+                window.attempt_rows_between(applied, now, mine),
+                window.attempt_rows_between(start, end, theirs))
 
     async def _watch(self, before: float, applied: float) -> dict[str, Any]:
         """The sequential tests after every failed attempt and every TICK_S, until one rolls
@@ -535,25 +567,41 @@ class Apply:
         tick = min(TICK_S, max(0.01, plan.canary_window_s / 20))
         # the old knobs' last REFERENCE requests; a gateway that had not served as many: the
         # others' first ones after the change
-        old = self.window.between(before - REFERENCE_AGE_S, before,
-                                  {plan.canary, *plan.others})[-REFERENCE:]
+        old = self.window.rows_between(before - REFERENCE_AGE_S, before,
+                                       {plan.canary, *plan.others})[-REFERENCE:]
         while True:
             self.window.failure.clear()
             now = self.clock()
             canary, baseline, tried, others_tried = self._sides(before, applied, now)
             reference = old if len(old) == REFERENCE or not plan.others else baseline[:REFERENCE]
-            early = await asyncio.to_thread(sequential, canary, reference, tried, others_tried)
-            if early["verdict"] == "roll_back":
-                return {"verdict": "roll_back", "reason": early["reason"], "figures": {
-                    "canary": side(canary), "baseline": side(baseline),
-                    "sequential": early["tests"], "decided_by": early["measure"]}}
             enough = len(canary) >= plan.min_requests and len(baseline) >= plan.min_requests
-            if (now - applied >= plan.canary_window_s and enough) or now >= deadline:
-                verdict = await asyncio.to_thread(judge, canary, baseline, plan.min_requests,
-                                                  0, share, bool(plan.others))
-                verdict["figures"]["sequential"] = early["tests"]
+            due = (now - applied >= plan.canary_window_s and enough) or now >= deadline
+            verdict = await asyncio.to_thread(self._judge, canary, baseline, reference, tried,
+                                              others_tried, due, share)
+            if verdict is not None:
                 return verdict
             await wait_event(self.window.failure, tick)
+
+    def _judge(self, canary_rows: list[Row], baseline_rows: list[Row], reference_rows: list[Row],
+               tried_rows: list[Row], others_tried_rows: list[Row], due: bool,
+               share: float) -> dict[str, Any] | None:
+        """One look, in a thread: the sequential tests, then the window's judgement when it is
+        `due`; None: neither decided yet."""
+        canary, baseline, reference = ([served_from_row(row) for row in rows] for rows in (
+            canary_rows, baseline_rows, reference_rows))
+        tried, others_tried = ([Attempt(*row) for row in rows]
+                               for rows in (tried_rows, others_tried_rows))
+        early = sequential(canary, reference, tried, others_tried)
+        if early["verdict"] == "roll_back":
+            return {"verdict": "roll_back", "reason": early["reason"], "figures": {
+                "canary": side(canary), "baseline": side(baseline),
+                "sequential": early["tests"], "decided_by": early["measure"]}}
+        if not due:
+            return None
+        verdict = judge(canary, baseline, self.plan.min_requests, 0, share,
+                        bool(self.plan.others))
+        verdict["figures"]["sequential"] = early["tests"]
+        return verdict
 
     async def _roll_back(self) -> None:
         """Every replica that got the new knobs goes back to its own, the last one first."""

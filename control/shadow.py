@@ -45,7 +45,15 @@ from control.shadow_worker import CopyFailure, FrameReader, FrameSender, RingSen
 from gateway.backends import Job, engine_body
 from gateway.config import ShadowConfig
 from gateway.events import RequestAdmitted, RequestFinished, RequestObserver
-from protocol.measures import SLO, RequestTiming, summarize
+from protocol.measures import (
+    SLO,
+    SLO_FIELDS,
+    TIMING_FIELDS,
+    RequestTiming,
+    slo_fields,
+    summarize,
+    timing_fields,
+)
 from protocol.stats import bootstrap_interval, percentile_of_sorted, row_percentiles
 
 log = logging.getLogger("fairgate.gateway")
@@ -70,6 +78,26 @@ class Pair:
     shadow_wait_s: float = 0.0  # waiting to be sent (hand-off and the target's queue)
     sent_at: float = 0.0  # epoch seconds, when the copy was sent
     ended_at: float = 0.0  # monotonic, when the later side ended
+
+
+# A completed pair as it is kept: a flat tuple the collector stops tracking
+# (protocol.measures.timing_fields), so 50,000 of them are not walked by every full collection
+# of the gateway's heap: (ended_at, sent_at, tenant, shadow_wait_s, *slo_fields(slo),
+# *timing_fields(live), *timing_fields(shadow)).
+PairRow = tuple[Any, ...]
+_LIVE = 4 + SLO_FIELDS  # where a row's live timing begins
+_SHADOW = _LIVE + TIMING_FIELDS
+
+
+def pair_row(pair: Pair) -> PairRow:
+    assert pair.live is not None and pair.shadow is not None
+    return (pair.ended_at, pair.sent_at, pair.tenant, pair.shadow_wait_s, *slo_fields(pair.slo),
+            *timing_fields(pair.live), *timing_fields(pair.shadow))
+
+
+def pair_from_row(row: PairRow) -> Pair:
+    return Pair(row[2], SLO(*row[4:_LIVE]), RequestTiming(*row[_LIVE:_SHADOW]),
+                RequestTiming(*row[_SHADOW:_SHADOW + TIMING_FIELDS]), row[3], row[1], row[0])
 
 
 Send = Callable[[tuple[Any, ...]], None]
@@ -106,7 +134,7 @@ class ShadowMirror:
         self.send = send
         self.draw = draw
         self.pending: dict[str, Pair] = {}
-        self.pairs: deque[Pair] = deque(maxlen=MAX_PAIRS)
+        self.pairs: deque[PairRow] = deque(maxlen=MAX_PAIRS)  # completed, oldest first
         self.sent = self.dropped = self.failed = 0
         self.outstanding = 0  # copies handed to the worker and not answered yet
         self.queued = self.inflight = 0  # as the worker last said
@@ -161,7 +189,7 @@ class ShadowMirror:
             return
         del self.pending[request_id]
         pair.ended_at = time.monotonic()
-        self.pairs.append(pair)
+        self.pairs.append(pair_row(pair))
 
     # ---- what the worker reports --------------------------------------------------------------
     def done(self, request_id: str, wait_s: float, sent_at: float, started: float,
@@ -203,18 +231,22 @@ class ShadowMirror:
                 "failures": [f.describe() for f in sorted(self.failures.values(),
                                                           key=lambda f: -f.count)]}
 
-    def window(self, window_s: float, sent_after: float | None = None) -> list[Pair]:
+    def window(self, window_s: float, sent_after: float | None = None) -> list[PairRow]:
         """The pairs completed in the last `window_s` seconds, and whose copy was sent after
-        `sent_after` (epoch seconds) when given (a copy: taken on the event loop, summarised
-        anywhere; completed pairs never change)."""
+        `sent_after` (epoch seconds) when given, as kept (a copy: taken on the event loop,
+        summarised anywhere by `stats`; completed pairs never change)."""
         horizon = time.monotonic() - window_s
-        return [p for p in self.pairs if p.ended_at >= horizon
-                and (sent_after is None or p.sent_at >= sent_after)]
+        return [row for row in self.pairs if row[0] >= horizon
+                and (sent_after is None or row[1] >= sent_after)]
 
-    def stats(self, window_s: float, pairs: Sequence[Pair] | None = None,
+    def completed(self, rows: Sequence[PairRow] | None = None) -> list[Pair]:
+        """`rows` (default: every completed pair kept) as Pair objects."""
+        return [pair_from_row(row) for row in (self.pairs if rows is None else rows)]
+
+    def stats(self, window_s: float, rows: Sequence[PairRow] | None = None,
               seed: int = 0, detail: bool = False) -> dict[str, Any]:
-        if pairs is None:
-            pairs = self.window(window_s)
+        """Both sides of the window's pairs (`rows`, from `window`, else taken now)."""
+        pairs = self.completed(self.window(window_s) if rows is None else rows)
         extra = {"samples": samples(pairs)} if detail else {}
         return {**extra, "name": self.name, "window_s": window_s, "pairs": len(pairs),
                 "mirrored_rate_rps": len(pairs) / window_s, "sample": self.config.sample,

@@ -13,6 +13,7 @@ Redis for every replica (`gateway.redis`). Both are a `Limiter` and word their r
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,12 +37,13 @@ class RateLimited(Exception):
 
 @dataclass(eq=False)
 class Charge:
-    """One request's entry in its tenant's window; settled in place."""
+    """One request's entry in its tenant's window, as the request holds it to settle it."""
 
     at: float
     tokens: int
     requests: int = 1
     window: RateWindow | None = field(default=None, repr=False)
+    key: int = field(default=0, repr=False)  # its figures' key in its window (RateWindow.figures)
 
 
 def check_fits(limits: TenantLimits, tokens: int) -> None:
@@ -80,40 +82,53 @@ class Limiter(Protocol):
 
 
 class RateWindow:
-    """The charges of one tenant over the last `period` seconds, with running sums."""
+    """The charges of one tenant over the last `period` seconds, with running sums.
+
+    What it keeps of each charge is tuples of numbers, which the garbage collector stops
+    tracking: a log of `(at, key)` in time order and `figures[key] = (tokens, requests)`, as
+    last settled, while the charge is in the window. A minute of a busy gateway's charges kept
+    as objects (300,000 at 5,000 requests/s) was walked by every full collection of its heap,
+    a stall of every request in flight (bench/gateway_cpu.py, bench/RESULTS.md, issue 28)."""
 
     def __init__(self, period: float = PERIOD_S) -> None:
         self.period = period
-        self.charges: deque[Charge] = deque()
+        self.log: deque[tuple[float, int]] = deque()  # oldest first
+        self.figures: dict[int, tuple[int, int]] = {}
         self.tokens = 0
         self.requests = 0
+        self._keys = itertools.count(1)
 
     def expire(self, now: float) -> None:
         horizon = now - self.period
-        while self.charges and self.charges[0].at <= horizon:
-            old = self.charges.popleft()
-            self.tokens -= old.tokens
-            self.requests -= old.requests
-            old.window = None  # settling an expired charge must not touch the sums
+        log = self.log
+        while log and log[0][0] <= horizon:
+            tokens, requests = self.figures.pop(log.popleft()[1])
+            self.tokens -= tokens
+            self.requests -= requests
 
     def wait_for(self, now: float, excess: int, attr: str) -> float:
         """Seconds until charges worth `excess` of `attr` have left the window."""
+        index = 0 if attr == "tokens" else 1
         freed = 0
-        for charge in self.charges:
-            freed += getattr(charge, attr)
+        for at, key in self.log:
+            freed += self.figures[key][index]
             if freed >= excess:
-                return max(0.0, charge.at + self.period - now)
+                return max(0.0, at + self.period - now)
         return self.period
 
     def add(self, charge: Charge) -> None:
-        charge.window = self
-        self.charges.append(charge)
+        charge.window, charge.key = self, next(self._keys)
+        self.log.append((charge.at, charge.key))
+        self.figures[charge.key] = (charge.tokens, charge.requests)
         self.tokens += charge.tokens
         self.requests += charge.requests
 
     def adjust(self, charge: Charge, tokens: int, requests: int) -> None:
-        self.tokens += tokens - charge.tokens
-        self.requests += requests - charge.requests
+        old = self.figures.get(charge.key)
+        if old is not None:  # still in the window (settling one that left changes no sum)
+            self.tokens += tokens - old[0]
+            self.requests += requests - old[1]
+            self.figures[charge.key] = (tokens, requests)
         charge.tokens, charge.requests = tokens, requests
 
 

@@ -125,6 +125,27 @@ class RequestTiming:
         return sum(gap <= limit for gap in self.itls), gaps
 
 
+# Kept records as plain tuples of numbers, strings and tuples of them: CPython's collector
+# stops tracking such a tuple after a collection or two, so a window of many thousands of
+# requests (a canary's, a shadow target's pairs) is not walked by each full collection of a
+# server's heap, as dataclass instances holding a list of token times were (bench/gateway_cpu.py:
+# 30 ms and more a full collection, a stall of every request in flight; issue 28). Flat on
+# purpose: a tuple is let go only after what it holds was, one collection each level.
+def slo_fields(slo: SLO) -> tuple[float | None, float | None, float | None, float]:
+    """`SLO(*fields)` gives it back."""
+    return slo.ttft_s, slo.tpot_s, slo.itl_s, slo.target
+
+
+def timing_fields(timing: RequestTiming) -> tuple[float, tuple[float, ...], int, float, bool]:
+    """`RequestTiming(*fields)` gives it back (its token times as a tuple)."""
+    return (timing.start, tuple(timing.token_times), timing.num_output_tokens, timing.end,
+            timing.ok)
+
+
+SLO_FIELDS = 4  # len(slo_fields(...))
+TIMING_FIELDS = 5  # len(timing_fields(...))
+
+
 def summarize(values: Iterable[float]) -> dict[str, float | int | None]:
     """count, mean, max and p50/p90/p95/p99 (protocol.stats' percentile rule); None instead of
     NaN so the result is valid JSON."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.admission import (
     OutputEstimator,
@@ -90,6 +94,37 @@ def test_settling_an_expired_charge_changes_nothing() -> None:
     limiter.admit("a", limits, 90)
     limiter.settle(charge, 5)
     assert limiter.usage("a") == (1, 90)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "settle", "refund", "wait"]),
+                          st.integers(0, 500), st.integers(0, 40)), max_size=60))
+def test_the_window_sums_what_its_charges_hold_now(ops: list[tuple[str, int, int]]) -> None:
+    """Whatever order charges come, settle, are refunded and leave in: the window's counts are
+    those of the charges within the last minute, as last settled; and what it keeps of them is
+    never tracked by the garbage collector."""
+    clock = Clock()
+    limiter = RateLimiter(clock=clock)
+    charges = []
+    for op, amount, which in ops:
+        if op == "admit":
+            charges.append(limiter.admit("a", TenantLimits(), amount))
+        elif op == "wait":
+            clock.t += amount / 10  # up to 50 s
+        elif charges:
+            charge = charges[which % len(charges)]
+            if op == "settle":
+                limiter.settle(charge, amount)
+            else:
+                limiter.refund(charge)
+        inside = [c for c in charges if c.at > clock.t - 60]
+        assert limiter.usage("a") == (sum(c.requests for c in inside),
+                                      sum(c.tokens for c in inside))
+    window = limiter._windows.get("a")
+    if window is not None:
+        gc.collect(0)  # tuples of numbers are let go after a young collection
+        assert not any(gc.is_tracked(entry) for entry in window.log)
+        assert not any(gc.is_tracked(figures) for figures in window.figures.values())
 
 
 def test_unlimited_tenant_is_never_limited() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import itertools
 import json
 import math
@@ -32,6 +33,7 @@ from control.canary import (
     canary_weight,
     judge,
     sequential,
+    served_row,
     side,
     sprt,
 )
@@ -190,10 +192,37 @@ def test_judge_never_promotes_a_canary_that_misses_far_more(base_misses: int,
 
 def test_a_window_keeps_what_each_backend_served() -> None:
     window = ServedWindow(maxlen=3)
-    for backend in "abcd":
-        window.record(backend, "acme", SLO_, RequestTiming(0.0, [0.01], 1, 0.02))
-    assert [s.backend for s in window.items] == ["b", "c", "d"]
+    slo = SLO(ttft_s=0.5, itl_s=0.1, target=0.9)
+    timings = {b: RequestTiming(0.1 * i, [0.1 * i + 0.01, 0.1 * i + 0.03], 2, 0.1 * i + 0.05,
+                                ok=b != "c") for i, b in enumerate("abcd")}
+    for backend, timing in timings.items():
+        window.record(backend, "acme", slo, timing)
+    everything = window.between(0, float("inf"), set("abcd"))
+    assert [s.backend for s in everything] == ["b", "c", "d"]  # the oldest left
+    for served in everything:  # read back as recorded
+        want, got = timings[served.backend], served.timing
+        assert (served.tenant, served.slo) == ("acme", slo)
+        assert (got.start, list(got.token_times), got.num_output_tokens, got.end, got.ok) == (
+            want.start, list(want.token_times), want.num_output_tokens, want.end, want.ok)
+        assert (got.ttft, got.tpot, got.meets(slo)) == (want.ttft, want.tpot, want.meets(slo))
     assert [s.backend for s in window.between(0, float("inf"), {"b", "d"})] == ["b", "d"]
+    window.attempt("b", failed=True)
+    assert window.attempts_between(0, float("inf"), {"b"})[0].failed
+
+
+def test_a_windows_entries_are_left_out_of_the_collectors_walks() -> None:
+    """200,000 kept requests walked by every full collection stalled a busy gateway's loop:
+    the window keeps rows the collector stops tracking."""
+    window = ServedWindow()
+    for i in range(50):
+        window.record("a", "acme", SLO_, RequestTiming(0.0, [0.01, 0.02], 2, 0.03, ok=i % 3 > 0))
+        window.attempt("a", failed=i % 2 == 0)
+    # a young collection lets go of a row's inner tuples, the next of the row: both before
+    # the rows reach the oldest generation, the one a full collection walks
+    gc.collect(0)
+    gc.collect(1)
+    assert not any(gc.is_tracked(row) for row in window.items)
+    assert not any(gc.is_tracked(row) for row in window.attempts)
 
 
 @pytest.mark.parametrize("burn", [True, False])
@@ -220,12 +249,12 @@ async def test_one_engine_is_judged_against_its_own_window_before_the_change() -
     window before it; worse after, so its knobs go back."""
     window = ServedWindow()
     for i in range(50):  # before the change: all good
-        window.items.append(Served(50.0 + i, "e", "acme", SLO_,
-                                   RequestTiming(0.0, [0.05, 0.06], 2, 0.06)))
+        window.items.append(served_row(50.0 + i, "e", "acme", SLO_,
+                                       RequestTiming(0.0, [0.05, 0.06], 2, 0.06)))
     for i in range(50):  # after: half miss the TTFT target
         ttft = 0.05 if i % 2 else 0.3
-        window.items.append(Served(100.0 + i, "e", "acme", SLO_,
-                                   RequestTiming(0.0, [ttft, ttft + 0.01], 2, ttft + 0.01)))
+        window.items.append(served_row(100.0 + i, "e", "acme", SLO_,
+                                       RequestTiming(0.0, [ttft, ttft + 0.01], 2, ttft + 0.01)))
     clock = itertools.chain([100.0, 100.0], itertools.repeat(160.0))
     calls: list[tuple[str, dict[str, Any]]] = []
 

@@ -4,6 +4,7 @@ are paired with the live ones, and nothing about the shadow reaches live clients
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -186,6 +187,39 @@ async def test_a_ten_times_slower_shadow_leaves_live_latency_alone(
 def _job(request_id: str, tenant: str) -> Job:
     req = parse_request({"prompt": "x"}, "completions")
     return Job(request_id, req, tenant, "batch", 2, SamplingParams(max_tokens=16))
+
+
+def test_completed_pairs_are_kept_out_of_the_collectors_walks_and_read_back_whole() -> None:
+    """50,000 kept pairs walked by every full collection stalled a busy gateway's loop: they
+    are kept as rows the collector stops tracking, and read back as they were paired."""
+    mirror = ShadowMirror(ShadowConfig("s", "http://127.0.0.1:9"),
+                          ShadowMetrics(CollectorRegistry()), lambda message: None)
+    slo = SLO(ttft_s=0.2, itl_s=0.05, target=0.95)
+    for i in range(20):
+        mirror.offer(_job(f"r{i}", "acme"), slo)
+        mirror.live_done(f"r{i}", RequestTiming(1.0, [1.1, 1.15 + i / 100], 2, 1.2 + i / 100))
+        failure = None if i % 4 else (503, "overloaded", "busy")
+        mirror.done(f"r{i}", 0.003 * i, 1000.0 + i, 2.0, [2.2, 2.3, 2.35], 3, 2.4,
+                    failure is None, failure)
+    gc.collect(0)  # a row's token times are let go in one collection, the row in the next:
+    gc.collect(1)  # both before the rows reach the oldest generation
+    assert len(mirror.pairs) == 20 and not any(gc.is_tracked(row) for row in mirror.pairs)
+    pairs = mirror.completed()
+    for i, pair in enumerate(pairs):
+        assert (pair.tenant, pair.slo, pair.sent_at) == ("acme", slo, 1000.0 + i)
+        assert pair.shadow_wait_s == pytest.approx(0.003 * i)
+        assert pair.live is not None and pair.shadow is not None
+        assert list(pair.live.token_times) == [1.1, 1.15 + i / 100]
+        assert (pair.live.e2e, pair.live.ok) == (pytest.approx(0.2 + i / 100), True)
+        assert (list(pair.shadow.token_times), pair.shadow.num_output_tokens) == (
+            [2.2, 2.3, 2.35], 3)
+        assert pair.shadow.ok == (i % 4 > 0) and pair.ended_at > 0
+    assert mirror.failures[(503, "overloaded")].count == 5
+    assert len(mirror.window(60, sent_after=1010.0)) == 10  # copies sent from then on
+    stats = mirror.stats(60, mirror.window(60, sent_after=1010.0), detail=True)
+    assert stats["pairs"] == 10 and stats["shadow"]["failed"] == 2  # r12 and r16
+    assert stats["samples"]["live"][0][:4] == [pytest.approx(0.1), pytest.approx(0.15),
+                                               pytest.approx(0.3), 2]
 
 
 def test_sampling_and_tenant_filters_choose_the_copies() -> None:

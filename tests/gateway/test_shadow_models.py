@@ -59,7 +59,7 @@ async def test_the_default_alias_reaches_each_shadow_under_the_model_it_serves(
     for name in ("other", "openai", "named"):
         assert (listed[name]["sent"], listed[name]["failed"]) == (2, 0), listed[name]
         assert listed[name]["failures"] == []
-        assert all(p.shadow is not None and p.shadow.ok for p in mirrors[name].pairs)
+        assert all(p.shadow is not None and p.shadow.ok for p in mirrors[name].completed())
     # what each target says it serves, learnt from its /v1/models (or configured)
     assert [listed[n]["model"] for n in ("other", "openai", "named")] == [
         "random:small", "fake-model", "random:small"]
