@@ -162,18 +162,14 @@ class ServedWindow(RequestObserver):
         if failed:
             self.failure.set()
 
-    def rows_between(self, start: float, end: float, backends: set[str]) -> list[Row]:
-        """The served rows in [start, end) of `backends` (a filter: cheap on the event loop)."""
+    def between(self, start: float, end: float, backends: set[str]) -> list[Row]:
+        """The served rows in [start, end) of `backends` (a filter: cheap on the event loop;
+        `served_from_row` reads one back)."""
         return _between(self.items, start, end, backends)
 
-    def attempt_rows_between(self, start: float, end: float, backends: set[str]) -> list[Row]:
+    def attempts_between(self, start: float, end: float, backends: set[str]) -> list[Row]:
+        """The attempts' rows likewise (`Attempt(*row)` reads one back)."""
         return _between(self.attempts, start, end, backends)
-
-    def between(self, start: float, end: float, backends: set[str]) -> list[Served]:
-        return [served_from_row(row) for row in self.rows_between(start, end, backends)]
-
-    def attempts_between(self, start: float, end: float, backends: set[str]) -> list[Attempt]:
-        return [Attempt(*row) for row in self.attempt_rows_between(start, end, backends)]
 
 
 def _between(rows: deque[Row], start: float, end: float, backends: set[str]) -> list[Row]:
@@ -554,9 +550,9 @@ class Apply:
             start, end, theirs = applied, now, set(plan.others)
         else:
             start, end, theirs = before - max(now - applied, plan.canary_window_s), before, mine
-        return (window.rows_between(applied, now, mine), window.rows_between(start, end, theirs),
-                window.attempt_rows_between(applied, now, mine),
-                window.attempt_rows_between(start, end, theirs))
+        return (window.between(applied, now, mine), window.between(start, end, theirs),
+                window.attempts_between(applied, now, mine),
+                window.attempts_between(start, end, theirs))
 
     async def _watch(self, before: float, applied: float) -> dict[str, Any]:
         """The sequential tests after every failed attempt and every TICK_S, until one rolls
@@ -567,8 +563,8 @@ class Apply:
         tick = min(TICK_S, max(0.01, plan.canary_window_s / 20))
         # the old knobs' last REFERENCE requests; a gateway that had not served as many: the
         # others' first ones after the change
-        old = self.window.rows_between(before - REFERENCE_AGE_S, before,
-                                       {plan.canary, *plan.others})[-REFERENCE:]
+        old = self.window.between(before - REFERENCE_AGE_S, before,
+                                  {plan.canary, *plan.others})[-REFERENCE:]
         while True:
             self.window.failure.clear()
             now = self.clock()

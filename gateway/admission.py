@@ -88,7 +88,7 @@ class RateWindow:
     tracking: a log of `(at, key)` in time order and `figures[key] = (tokens, requests)`, as
     last settled, while the charge is in the window. A minute of a busy gateway's charges kept
     as objects (300,000 at 5,000 requests/s) was walked by every full collection of its heap,
-    a stall of every request in flight (bench/gateway_cpu.py, bench/RESULTS.md, issue 28)."""
+    a stall of every request in flight (bench/gc_pause.py, bench/RESULTS.md, issue 28)."""
 
     def __init__(self, period: float = PERIOD_S) -> None:
         self.period = period

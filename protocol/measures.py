@@ -128,8 +128,8 @@ class RequestTiming:
 # Kept records as plain tuples of numbers, strings and tuples of them: CPython's collector
 # stops tracking such a tuple after a collection or two, so a window of many thousands of
 # requests (a canary's, a shadow target's pairs) is not walked by each full collection of a
-# server's heap, as dataclass instances holding a list of token times were (bench/gateway_cpu.py:
-# 30 ms and more a full collection, a stall of every request in flight; issue 28). Flat on
+# server's heap, as dataclass instances holding a list of token times were (bench/gc_pause.py:
+# hundreds of ms a full collection, a stall of every request in flight; issue 28). Flat on
 # purpose: a tuple is let go only after what it holds was, one collection each level.
 def slo_fields(slo: SLO) -> tuple[float | None, float | None, float | None, float]:
     """`SLO(*fields)` gives it back."""

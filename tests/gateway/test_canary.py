@@ -33,6 +33,7 @@ from control.canary import (
     canary_weight,
     judge,
     sequential,
+    served_from_row,
     served_row,
     side,
     sprt,
@@ -197,7 +198,7 @@ def test_a_window_keeps_what_each_backend_served() -> None:
                                 ok=b != "c") for i, b in enumerate("abcd")}
     for backend, timing in timings.items():
         window.record(backend, "acme", slo, timing)
-    everything = window.between(0, float("inf"), set("abcd"))
+    everything = [served_from_row(row) for row in window.between(0, float("inf"), set("abcd"))]
     assert [s.backend for s in everything] == ["b", "c", "d"]  # the oldest left
     for served in everything:  # read back as recorded
         want, got = timings[served.backend], served.timing
@@ -205,9 +206,9 @@ def test_a_window_keeps_what_each_backend_served() -> None:
         assert (got.start, list(got.token_times), got.num_output_tokens, got.end, got.ok) == (
             want.start, list(want.token_times), want.num_output_tokens, want.end, want.ok)
         assert (got.ttft, got.tpot, got.meets(slo)) == (want.ttft, want.tpot, want.meets(slo))
-    assert [s.backend for s in window.between(0, float("inf"), {"b", "d"})] == ["b", "d"]
+    assert [row[1] for row in window.between(0, float("inf"), {"b", "d"})] == ["b", "d"]
     window.attempt("b", failed=True)
-    assert window.attempts_between(0, float("inf"), {"b"})[0].failed
+    assert Attempt(*window.attempts_between(0, float("inf"), {"b"})[0]).failed
 
 
 def test_a_windows_entries_are_left_out_of_the_collectors_walks() -> None:
