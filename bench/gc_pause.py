@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 
 from bench.common import machine  # noqa: E402
@@ -67,7 +69,7 @@ def keep_as_now(args: argparse.Namespace) -> list[Any]:
         charge = limiter.admit(f"t{i % TENANTS}", limits, 400)
         limiter.settle(charge, 300)
     mirror = ShadowMirror(ShadowConfig("s", "http://127.0.0.1:9", max_queue=MAX_PAIRS),
-                          ShadowMetrics(_registry()), lambda message: None)
+                          ShadowMetrics(CollectorRegistry()), lambda message: None)
     req = parse_request({"messages": [{"role": "user", "content": "hi"}]}, "chat")
     for i in range(MAX_PAIRS):
         rid = f"r{i}"
@@ -96,12 +98,6 @@ def keep_as_objects(args: argparse.Namespace) -> list[Any]:
         pairs.append(Pair(f"t{i % TENANTS}", SLO(ttft_s=0.5, tpot_s=0.05), timing(i, args.tokens),
                           timing(i, args.tokens), 0.001, 0.0, 1.0))
     return [served, charges, pairs]
-
-
-def _registry() -> Any:
-    from prometheus_client import CollectorRegistry
-
-    return CollectorRegistry()
 
 
 def measure(keep: Callable[[argparse.Namespace], list[Any]],
