@@ -1,25 +1,34 @@
 """The floor for an aiohttp gateway: a reverse proxy that only forwards bytes.
 
-    python bench/bare_proxy.py UPSTREAM_URL PORT
+    python bench/bare_proxy.py UPSTREAM_URL PORT [--client aiohttp|lean]
 
-No auth, no parsing, no admission, no queue, no accounting: one POST forwarded with one
-pooled client session and the response streamed back chunk by chunk. `bench/gateway_overhead.py`
-runs it beside the gateway so the gateway's own cost can be told apart from what any Python
-proxy on this machine adds.
+No auth, no parsing, no admission, no queue, no accounting: one request forwarded and the
+response passed back chunk by chunk. The upstream client is aiohttp's pooled `ClientSession`
+(the default: what a plain aiohttp proxy is), or `lean`: the gateway's own `UpstreamPool`, so
+what is left between this proxy and the gateway is the gateway's work alone.
+`bench/gateway_overhead.py` runs it beside the gateway so the gateway's own cost can be told apart
+from what any Python proxy on this machine adds; `bench/gateway_cpu.py` runs the lean one as the
+floor of the gateway's CPU per request.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from engine.server import install_fast_event_loop
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
+
+from engine.server import install_fast_event_loop  # noqa: E402
+from gateway.upstream import UpstreamPool  # noqa: E402
 
 UPSTREAM = web.AppKey("upstream", str)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+POOL = web.AppKey("pool", UpstreamPool)
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
@@ -36,20 +45,47 @@ async def forward(request: web.Request) -> web.StreamResponse:
         return resp
 
 
+async def forward_lean(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    upstream = await request.app[POOL].request(request.method, request.path, body, timeout=60)
+    try:
+        resp = web.StreamResponse(status=upstream.status, headers={
+            "Content-Type": upstream.headers.get("content-type", "application/json")})
+        await resp.prepare(request)
+        while chunk := await upstream.next_chunk():
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+    finally:
+        upstream.close()
+
+
 async def session_ctx(app: web.Application) -> AsyncIterator[None]:
     app[SESSION] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     yield
     await app[SESSION].close()
 
 
+async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
+    app[POOL] = UpstreamPool(app[UPSTREAM])
+    yield
+    app[POOL].close()
+
+
 def main() -> None:
-    upstream, port = sys.argv[1], int(sys.argv[2])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("upstream", help="the backend's base URL")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--client", choices=("aiohttp", "lean"), default="aiohttp",
+                        help="aiohttp's ClientSession, or the gateway's UpstreamPool")
+    args = parser.parse_args()
     app = web.Application()
-    app[UPSTREAM] = upstream.rstrip("/")
-    app.cleanup_ctx.append(session_ctx)
-    app.router.add_route("*", "/{tail:.*}", forward)
+    app[UPSTREAM] = args.upstream.rstrip("/")
+    lean = args.client == "lean"
+    app.cleanup_ctx.append(pool_ctx if lean else session_ctx)
+    app.router.add_route("*", "/{tail:.*}", forward_lean if lean else forward)
     install_fast_event_loop()
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ connections) goes to the mock directly and through the gateway; each process's C
 + stime from /proc/<pid>/stat, all threads) over the run, divided by the requests, is its cost
 per request. The load generator is this process: its CPU is counted for neither.
 
+Beside them runs the floor: `bench/bare_proxy.py --client lean`, aiohttp's server and the
+gateway's own upstream client (`gateway.upstream.UpstreamPool`) forwarding bytes and nothing else.
+No proxy built on these two can cost less, so `gateway - floor` is the gateway's own work per
+request (auth, parsing, admission, fair share, metrics, the ledger, the SSE pass-through).
+
     .venv/bin/python bench/gateway_cpu.py [--requests 4000] [--concurrency 16] [--rounds 3]
 
 Goals (issue 28): the gateway at most 1.6x the mock's CPU per request non-streaming, 1.4x
@@ -150,8 +155,10 @@ def median(values: list[float]) -> float:
 
 
 async def run(args: argparse.Namespace, mock: subprocess.Popen[Any], mock_url: str,
+              floor: subprocess.Popen[Any], floor_url: str,
               gw: subprocess.Popen[Any], gw_url: str, key: str) -> int:
-    targets = {MOCK: (mock.pid, mock_url, None), GATEWAY: (gw.pid, gw_url, key)}
+    targets = {MOCK: (mock.pid, mock_url, None), FLOOR: (floor.pid, floor_url, None),
+               GATEWAY: (gw.pid, gw_url, key)}
     met = True
     for stream in (False, True):
         for _, url, k in targets.values():  # warm: connections, caches, the estimator's seed
@@ -172,13 +179,16 @@ async def run(args: argparse.Namespace, mock: subprocess.Popen[Any], mock_url: s
                   f"{median(rate[label]):6.0f} requests/s   (rounds: "
                   f"{', '.join(f'{us:.0f}' for us in cpu[label])} µs)")
         ratio = median(cpu[GATEWAY]) / median(cpu[MOCK])
+        print(f"lean proxy / mock: {median(cpu[FLOOR]) / median(cpu[MOCK]):.2f} (the floor)   "
+              f"gateway / lean proxy: {median(cpu[GATEWAY]) / median(cpu[FLOOR]):.2f}   gateway's "
+              f"own work: {median(cpu[GATEWAY]) - median(cpu[FLOOR]):.0f} µs per request")
         print(f"gateway / mock CPU per request: {ratio:.2f}   goal <= {GOALS[stream]:g}   "
               f"{verdict(ratio <= GOALS[stream])}")
         met = met and ratio <= GOALS[stream]
     return 0 if met else 1
 
 
-MOCK, GATEWAY = "mock backend", "gateway (fairgate serve)"
+MOCK, FLOOR, GATEWAY = "mock backend", "lean proxy (floor)", "gateway (fairgate serve)"
 
 
 def main() -> int:
@@ -196,8 +206,13 @@ def main() -> int:
     mock_url = f"http://127.0.0.1:{mock_port}"
     mock = subprocess.Popen([PYTHON, str(Path(__file__).resolve()), "--mock", str(mock_port)],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    floor_port = free_port()
+    floor_url = f"http://127.0.0.1:{floor_port}"
+    floor = subprocess.Popen([PYTHON, str(ROOT / "bench" / "bare_proxy.py"), mock_url,
+                              str(floor_port), "--client", "lean"], cwd=ROOT)
     try:
         wait_healthy(mock_url, mock)
+        wait_healthy(floor_url, floor)
         backend = {"url": mock_url, "kind": "openai", "max_inflight": 512,
                    "max_model_len": 4096}
         with tempfile.TemporaryDirectory() as tmp:
@@ -205,14 +220,18 @@ def main() -> int:
                                   "usage_spill_dir": tmp}}
             gw, gw_url, keys = start_gateway(config, Path(tmp))
             try:
-                print(f"mock backend {mock_url} (bare aiohttp); gateway {gw_url} (ledger on "
-                      f"SQLite, metrics, fair share); load generator: this process; {machine()}")
+                print(f"mock backend {mock_url} (bare aiohttp); lean proxy {floor_url} "
+                      f"(bench/bare_proxy.py --client lean: aiohttp's server, the gateway's "
+                      f"upstream client, nothing else); gateway {gw_url} (ledger on SQLite, "
+                      f"metrics, fair share); load generator: this process; {machine()}")
                 import uvloop
 
-                return uvloop.run(run(args, mock, mock_url, gw, gw_url, keys["demo"]))
+                return uvloop.run(run(args, mock, mock_url, floor, floor_url, gw, gw_url,
+                                      keys["demo"]))
             finally:
                 stop(gw)
     finally:
+        stop(floor)
         stop(mock)
 
 
