@@ -150,7 +150,7 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     async def _wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
+        self.waiter = self.loop.create_future()
         await self.waiter
 
     async def headers_received(self) -> None:

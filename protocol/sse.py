@@ -125,6 +125,15 @@ class SSEReader:
             self._parts.append(tail)
         return events
 
+    def starts_event(self, data: bytes) -> bool:
+        """Whether the read `data` begins a new event: nothing is buffered. A stream's first
+        read that does not open with a byte of the BOM rules the BOM out."""
+        if self._after_cr or self._parts or self._data or self._event:
+            return False
+        if self._bom == b"" and data[:1] not in (b"", _BOM[:1]):
+            self._bom = None
+        return self._bom is None
+
     def close(self) -> list[SSEEvent]:
         """End of stream: always [] (the spec discards an event without its blank line); the
         reader is reset for a new stream, the last event ID and `retry` are kept."""
@@ -204,6 +213,26 @@ _PLAIN_TEXT = re.compile(rb'"(?:text|content)": ?"[^"]')
 _OPEN_CHOICE, _OPEN_CHOICE_SPACED = b'"finish_reason":null', b'"finish_reason": null'
 _TO_READ = re.compile(rb'"usage": ?\{|"error"')
 _TEXT_KEYS = ("content", "reasoning_content", "reasoning")  # a chat delta's generated text
+
+
+# Whole events, each a `data: ` line with an open choice and a non-empty text on it: with no
+# usage counts or error among them (_TO_READ), each is a plain token to read_chunk.
+_PLAIN_EVENTS = re.compile(
+    b"(?:data: (?=[^\\n]*(?:" + re.escape(_OPEN_CHOICE) + b"|" + re.escape(_OPEN_CHOICE_SPACED)
+    + b"))(?=[^\\n]*" + _PLAIN_TEXT.pattern + b")[^\\r\\n]*\n\n)+")
+
+
+def plain_token_prefix(data: bytes) -> tuple[int, int]:
+    """(bytes, events) of the whole events `data` opens with, as `encode_event` writes them
+    (one `data: ` line each, LF ends), that `read_chunk` calls plain tokens; (0, 0) for none.
+    One regular expression over a read instead of an event and a read_chunk each."""
+    found = _PLAIN_EVENTS.match(data)
+    if found is None:
+        return 0, 0
+    end = found.end()
+    if _TO_READ.search(data, 0, end):
+        return 0, 0
+    return end, data.count(b"\n\n", 0, end)
 
 
 def read_chunk(data: bytes) -> StreamChunk:

@@ -39,7 +39,7 @@ from gateway.backends.base import (
     engine_body,
     room_from_load,
 )
-from gateway.backends.stream import pass_event
+from gateway.backends.stream import pass_chunk
 from gateway.config import DEFAULT_FIRST_BYTE_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, BackendConfig
 from gateway.outlier import Verdict
 from gateway.upstream import (
@@ -333,7 +333,7 @@ class RemoteBackend:
         streaming = False  # the first token came: from now on only a stall times out
         try:
             while data := await resp.next_chunk():
-                out = b"".join([pass_event(e.data, job, outcome) for e in reader.feed(data)])
+                out = pass_chunk(reader, data, job, outcome)
                 if not streaming and outcome.chunk_times:
                     resp.watch_stalls(self.stall_timeout)
                     streaming = True
