@@ -69,11 +69,12 @@ def start_engine(port: int, knobs: dict[str, Any]) -> subprocess.Popen[Any]:
 
 
 def start_gateway(config: dict[str, Any], workdir: Path,
-                  tenants: dict[str, dict[str, Any]] | None = None, database: str | None = None
-                  ) -> tuple[subprocess.Popen[Any], str, dict[str, str]]:
+                  tenants: dict[str, dict[str, Any]] | None = None, database: str | None = None,
+                  tree: Path = ROOT) -> tuple[subprocess.Popen[Any], str, dict[str, str]]:
     """`fairgate serve` with `config` (a fairgate.yaml mapping); returns (process, url, keys).
     Tenants are created in its database (default: a new SQLite file in `workdir`) first;
-    without any, the demo tenant's key is used."""
+    without any, the demo tenant's key is used. `tree`: the checkout whose fairgate runs (another
+    revision's, for a baseline in the same run)."""
     port = free_port()
     db = database or f"sqlite:///{workdir / f'gateway-{port}.db'}"
     keys = asyncio.run(_create_tenants(db, tenants)) if tenants else {}
@@ -83,8 +84,9 @@ def start_gateway(config: dict[str, Any], workdir: Path,
     path = workdir / f"fairgate-{port}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     proc = subprocess.Popen([PYTHON, "-m", "fairgate", "serve", "-c", str(path),
-                             "--log-level", "WARNING"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                             "--log-level", "WARNING"], cwd=tree, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True,
+                            env=None if tree == ROOT else {**os.environ, "PYTHONPATH": str(tree)})
     assert proc.stdout is not None
     if not tenants:
         while not (line := proc.stdout.readline()).strip().startswith("fg-"):

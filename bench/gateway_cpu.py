@@ -14,6 +14,12 @@ No proxy built on these two can cost less, so `gateway - floor` is the gateway's
 request (auth, parsing, admission, fair share, metrics, the ledger, the SSE pass-through).
 
     .venv/bin/python bench/gateway_cpu.py [--requests 4000] [--concurrency 16] [--rounds 3]
+                                          [--baseline DIR]
+
+`--baseline DIR` runs a second gateway from another checkout (`git worktree add --detach DIR
+REV`) in the same rounds, rotated with the others, and prints this tree's CPU per request over
+its: on a shared machine whose speed drifts between runs, a change of a few percent shows only
+when both run side by side.
 
 Goals (issue 28): the gateway at most 1.6x the mock's CPU per request non-streaming, 1.4x
 streaming. The ratio is taken within one run, so the machine's speed cancels out.
@@ -30,7 +36,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 
@@ -154,11 +159,9 @@ def median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-async def run(args: argparse.Namespace, mock: subprocess.Popen[Any], mock_url: str,
-              floor: subprocess.Popen[Any], floor_url: str,
-              gw: subprocess.Popen[Any], gw_url: str, key: str) -> int:
-    targets = {MOCK: (mock.pid, mock_url, None), FLOOR: (floor.pid, floor_url, None),
-               GATEWAY: (gw.pid, gw_url, key)}
+async def run(args: argparse.Namespace, targets: dict[str, tuple[int, str, str | None]]) -> int:
+    """Each target's CPU per request, rounds rotated; the verdicts. `targets`: label ->
+    (pid, url, API key)."""
     met = True
     for stream in (False, True):
         for _, url, k in targets.values():  # warm: connections, caches, the estimator's seed
@@ -182,6 +185,11 @@ async def run(args: argparse.Namespace, mock: subprocess.Popen[Any], mock_url: s
         print(f"lean proxy / mock: {median(cpu[FLOOR]) / median(cpu[MOCK]):.2f} (the floor)   "
               f"gateway / lean proxy: {median(cpu[GATEWAY]) / median(cpu[FLOOR]):.2f}   gateway's "
               f"own work: {median(cpu[GATEWAY]) - median(cpu[FLOOR]):.0f} µs per request")
+        if BASELINE in cpu:
+            rounds = zip(cpu[GATEWAY], cpu[BASELINE], strict=True)
+            print(f"gateway / baseline gateway: "
+                  f"{median(cpu[GATEWAY]) / median(cpu[BASELINE]):.3f} (round by round: "
+                  f"{', '.join(f'{a / b:.3f}' for a, b in rounds)})")
         print(f"gateway / mock CPU per request: {ratio:.2f}   goal <= {GOALS[stream]:g}   "
               f"{verdict(ratio <= GOALS[stream])}")
         met = met and ratio <= GOALS[stream]
@@ -189,6 +197,7 @@ async def run(args: argparse.Namespace, mock: subprocess.Popen[Any], mock_url: s
 
 
 MOCK, FLOOR, GATEWAY = "mock backend", "lean proxy (floor)", "gateway (fairgate serve)"
+BASELINE = "baseline gateway"
 
 
 def main() -> int:
@@ -197,11 +206,16 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16, help="keep-alive connections")
     parser.add_argument("--rounds", type=int, default=3,
                         help="each target measured this many times, interleaved (median)")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="another checkout whose gateway runs beside this one's, rotated")
     parser.add_argument("--mock", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mock is not None:
         serve_mock(args.mock)
         return 0
+    if args.baseline is not None and not (args.baseline / "fairgate" / "__main__.py").is_file():
+        parser.error(f"--baseline {args.baseline}: not a fairgate checkout (no "
+                     f"fairgate/__main__.py); make one with `git worktree add --detach DIR REV`")
     mock_port = free_port()
     mock_url = f"http://127.0.0.1:{mock_port}"
     mock = subprocess.Popen([PYTHON, str(Path(__file__).resolve()), "--mock", str(mock_port)],
@@ -219,17 +233,28 @@ def main() -> int:
             config = {"gateway": {"backends": [backend], "dispatch": "fair",
                                   "usage_spill_dir": tmp}}
             gw, gw_url, keys = start_gateway(config, Path(tmp))
+            targets: dict[str, tuple[int, str, str | None]] = {
+                MOCK: (mock.pid, mock_url, None), FLOOR: (floor.pid, floor_url, None),
+                GATEWAY: (gw.pid, gw_url, keys["demo"])}
+            base = None
             try:
+                if args.baseline is not None:
+                    base, base_url, base_keys = start_gateway(config, Path(tmp),
+                                                              tree=args.baseline.resolve())
+                    targets[BASELINE] = (base.pid, base_url, base_keys["demo"])
                 print(f"mock backend {mock_url} (bare aiohttp); lean proxy {floor_url} "
                       f"(bench/bare_proxy.py --client lean: aiohttp's server, the gateway's "
                       f"upstream client, nothing else); gateway {gw_url} (ledger on SQLite, "
                       f"metrics, fair share); load generator: this process; {machine()}")
+                if base is not None:
+                    print(f"baseline gateway {targets[BASELINE][1]} (from {args.baseline})")
                 import uvloop
 
-                return uvloop.run(run(args, mock, mock_url, floor, floor_url, gw, gw_url,
-                                      keys["demo"]))
+                return uvloop.run(run(args, targets))
             finally:
                 stop(gw)
+                if base is not None:
+                    stop(base)
     finally:
         stop(floor)
         stop(mock)
