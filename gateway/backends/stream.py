@@ -6,10 +6,11 @@ with LF line ends, except for the usage the client did not ask for: the usage ev
 `usage: null` of every chunk are dropped (OpenAI sends neither then). The gateway always asks an
 engine for usage, since it settles the tenant's charge exactly.
 
-`pass_chunk` takes a whole read: when it is nothing but whole plain token events (the bulk of
-every stream) one regular expression tells so and the read goes on as it came, which is what the
+`pass_chunk` takes a whole read: the whole plain token events it opens with (the bulk of every
+stream) are told apart by one regular expression and go on as they came, which is what the
 events one by one would give (`tests/gateway/test_stream_events.py` holds the two to each other
-over any stream cut into any reads); any other read goes event by event.
+over any stream cut into any reads); the rest of the read goes event by event. The tokens of one
+read are noted with one time: they left together.
 """
 
 from __future__ import annotations

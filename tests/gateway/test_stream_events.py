@@ -14,7 +14,7 @@ from engine.request import SamplingParams
 from gateway.backends import Job, Outcome
 from gateway.backends.stream import pass_chunk, pass_event
 from protocol.errors import ApiError
-from protocol.openai import parse_request
+from protocol.openai import ResponseWriter, parse_request
 from protocol.sse import SSEReader
 
 
@@ -151,3 +151,21 @@ def test_a_read_that_ends_an_event_begun_before_it_is_read_event_by_event() -> N
         slow = b"".join([pass_event(e.data, _job(), single) for e in slow_reader.feed(data)])
         assert fast == slow
     assert fast == event and whole.completion_tokens == single.completion_tokens == 1
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_fairgate_engines_tokens_go_the_fast_way(chat: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seam with fairgate's own engine: its token events (ResponseWriter, asked for usage
+    as the gateway always asks) are the plain tokens the regular expression knows, so a
+    change to how the engine writes them that loses the fast way fails here."""
+    engine = ResponseWriter("r1", chat, "m", include_usage=True)
+    read = b"".join(engine.chunk(text, None) for text in ("Hel", "lo", " wor", "ld"))
+    outcome = Outcome(prompt_tokens=2)
+    single = Outcome(prompt_tokens=2)
+    expected = b"".join([pass_event(e.data, _job(), single) for e in SSEReader().feed(read)])
+    with monkeypatch.context() as patched:
+        patched.setattr("gateway.backends.stream.pass_event", None)
+        assert pass_chunk(SSEReader(), read, _job(), outcome) == expected
+    assert outcome.completion_tokens == single.completion_tokens == 4
+    assert b'"usage"' not in expected  # the client did not ask: each null usage dropped
