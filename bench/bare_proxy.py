@@ -24,7 +24,7 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 
 from engine.server import install_fast_event_loop  # noqa: E402
-from gateway.upstream import UpstreamPool  # noqa: E402
+from gateway.upstream import Response, UpstreamPool  # noqa: E402
 
 UPSTREAM = web.AppKey("upstream", str)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
@@ -36,28 +36,36 @@ async def forward(request: web.Request) -> web.StreamResponse:
     url = request.app[UPSTREAM] + request.path
     async with request.app[SESSION].request(request.method, url, data=body, headers={
             "Content-Type": "application/json"}) as upstream:
-        resp = web.StreamResponse(status=upstream.status, headers={
-            "Content-Type": upstream.headers.get("Content-Type", "application/json")})
-        await resp.prepare(request)
-        async for chunk in upstream.content.iter_any():
-            await resp.write(chunk)
-        await resp.write_eof()
-        return resp
+        return await relay(request, upstream.status,
+                           upstream.headers.get("Content-Type", "application/json"),
+                           upstream.content.iter_any())
 
 
 async def forward_lean(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     upstream = await request.app[POOL].request(request.method, request.path, body, timeout=60)
     try:
-        resp = web.StreamResponse(status=upstream.status, headers={
-            "Content-Type": upstream.headers.get("content-type", "application/json")})
-        await resp.prepare(request)
-        while chunk := await upstream.next_chunk():
-            await resp.write(chunk)
-        await resp.write_eof()
-        return resp
+        return await relay(request, upstream.status,
+                           upstream.headers.get("content-type", "application/json"),
+                           chunks(upstream))
     finally:
         upstream.close()
+
+
+async def chunks(upstream: Response) -> AsyncIterator[bytes]:
+    while chunk := await upstream.next_chunk():
+        yield chunk
+
+
+async def relay(request: web.Request, status: int, content_type: str,
+                body: AsyncIterator[bytes]) -> web.StreamResponse:
+    """The backend's answer back to the client, chunk by chunk as it came."""
+    resp = web.StreamResponse(status=status, headers={"Content-Type": content_type})
+    await resp.prepare(request)
+    async for chunk in body:
+        await resp.write(chunk)
+    await resp.write_eof()
+    return resp
 
 
 async def session_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -42,23 +42,26 @@ def pass_chunk(reader: SSEReader, data: bytes, job: Job, outcome: Outcome) -> by
     event as `pass_event` passes it. The whole plain token events a read opens with (the bulk
     of a stream) are told apart by one regular expression and go on as they came, their tokens
     noted at once; what follows them goes through `reader` and `pass_event`, event by event."""
-    out = b""
     if reader.starts_event(data):
         end, tokens = plain_token_prefix(data)
-        out = data[:end]
-        if tokens and not job.req.include_usage and _USAGE_KEY in out:
+        head = data[:end]
+        if tokens and not job.req.include_usage and _USAGE_KEY in head:
             for tail in _NULL_USAGE_ENDS:  # an event's last key: top-level for sure
-                out = out.replace(tail, b"}\n\n")
-            if _USAGE_KEY in out:  # a usage key elsewhere: only a parse can drop it
-                out, end, tokens = b"", 0, 0
+                head = head.replace(tail, b"}\n\n")
+            if _USAGE_KEY in head:  # a usage key elsewhere: only a parse can drop it
+                tokens = 0
         if tokens:
             outcome.chunk_times.extend([time.perf_counter()] * tokens)
             if not outcome.usage_reported:
                 outcome.completion_tokens += tokens
             if end == len(data):
-                return out
-            data = data[end:]
-    return out + b"".join([pass_event(e.data, job, outcome) for e in reader.feed(data)])
+                return head
+            return head + _one_by_one(reader, data[end:], job, outcome)
+    return _one_by_one(reader, data, job, outcome)
+
+
+def _one_by_one(reader: SSEReader, data: bytes, job: Job, outcome: Outcome) -> bytes:
+    return b"".join([pass_event(e.data, job, outcome) for e in reader.feed(data)])
 
 
 def pass_event(data: bytes, job: Job, outcome: Outcome) -> bytes:
