@@ -102,6 +102,12 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"malformed HTTP response from the backend: {exc}"))
+            return
+        if self.body:  # once per read, not per chunk of a chunked body (a stream's every event)
+            if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
+                self.paused = True
+                self.transport.pause_reading()
+            self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -127,10 +133,6 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
         self.buffered += len(body)
-        if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake()
 
     def on_message_complete(self) -> None:
         self.complete = True

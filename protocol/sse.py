@@ -215,24 +215,115 @@ _TO_READ = re.compile(rb'"usage": ?\{|"error"')
 _TEXT_KEYS = ("content", "reasoning_content", "reasoning")  # a chat delta's generated text
 
 
-# Whole events, each a `data: ` line with an open choice and a non-empty text on it: with no
-# usage counts or error among them (_TO_READ), each is a plain token to read_chunk.
-_PLAIN_EVENTS = re.compile(
-    b"(?:data: (?=[^\\n]*(?:" + re.escape(_OPEN_CHOICE) + b"|" + re.escape(_OPEN_CHOICE_SPACED)
-    + b"))(?=[^\\n]*" + _PLAIN_TEXT.pattern + b")[^\\r\\n]*\n\n)+")
+_EVENT_END = b"\n\n"
+_QUOTE, _BACKSLASH, _LF, _CR = 34, 92, 10, 13  # int needles: a plain memchr
+_NO_TEMPLATE = b"\0"  # no event begins or ends with NUL: it matches nothing
+_MISSES = 3
 
 
-def plain_token_prefix(data: bytes) -> tuple[int, int]:
-    """(bytes, events) of the whole events `data` opens with, as `encode_event` writes them
-    (one `data: ` line each, LF ends), that `read_chunk` calls plain tokens; (0, 0) for none.
-    One regular expression over a read instead of an event and a read_chunk each."""
-    found = _PLAIN_EVENTS.match(data)
-    if found is None:
-        return 0, 0
-    end = found.end()
-    if _TO_READ.search(data, 0, end):
-        return 0, 0
-    return end, data.count(b"\n\n", 0, end)
+class PlainTokens:
+    """Which whole events a read of one OpenAI stream opens with are plain tokens (what
+    `read_chunk` calls PLAIN_TOKEN), as `encode_event` writes them: one `data: ` line each, LF
+    ends. `prefix(data)` gives (bytes, events) of them; (0, 0) for none.
+
+    An engine writes every token event of a stream alike but for the text, so the first plain
+    token is checked in full and kept as a template: the bytes before its text (`"content": "`
+    or `"text": "` included) and after it (from the closing quote). A later event that is the
+    template around another text, non-empty and holding no quote (escaped or not), no line
+    end and no trailing backslash, is the same JSON but for that string, so a plain token too,
+    told by a few bounded searches in C instead of a scan of the whole event per condition.
+    Anything else is checked in full, and a plain token found that way becomes the template,
+    until templates stop paying: in a stream whose token events differ by more than their
+    text (a field that varies per event), after the third template in a row that missed,
+    each event is checked in full and nothing more is learned. (The one event the two checks call differently is a token whose text is exactly `error`:
+    the full check reads it as a possible error event and parses it, which then passes it on
+    unchanged, as the template does.)"""
+
+    __slots__ = ("_head", "_tail", "_misses")
+
+    def __init__(self) -> None:
+        self._head = self._tail = _NO_TEMPLATE
+        self._misses = 0  # plain tokens in a row the template missed; at _MISSES, no more
+
+    def prefix(self, data: bytes) -> tuple[int, int]:
+        end = events = 0
+        while (cut := data.find(_EVENT_END, end)) >= 0:
+            if self._templated(data, end, cut):
+                self._misses = 0
+            else:
+                event = data[end:cut]
+                text = _plain_text(event)
+                if text is None:
+                    break
+                if self._misses < _MISSES:
+                    self._learn(event, text)
+            if events == 0:  # the events after the first at once, where they repeat it
+                run, count = self._run(data, cut + 2)
+                cut, events = cut + run, events + count
+            end = cut + 2
+            events += 1
+        return end, events
+
+    def _templated(self, data: bytes, end: int, cut: int) -> bool:
+        """Whether data[end:cut] is the template around a text that keeps it a plain token."""
+        head, tail = self._head, self._tail
+        start, stop = end + len(head), cut - len(tail)
+        return (start < stop and data.startswith(head, end, cut)
+                and data.endswith(tail, end, cut) and data[stop - 1] != _BACKSLASH
+                and data.find(_QUOTE, start, stop) < 0 and data.find(_LF, start, stop) < 0
+                and data.find(_CR, start, stop) < 0)
+
+    def _run(self, data: bytes, at: int) -> tuple[int, int]:
+        """(bytes, events) of the template events from `at` on, all told at once: split at
+        each `tail, blank line, head`, every piece but the last is one event's text (the
+        blank lines fall only between events: neither the template nor a text holds a line
+        end), and the texts together hold no quote or line end, and none ends with a
+        backslash."""
+        head, tail = self._head, self._tail
+        if not data.startswith(head, at):
+            return 0, 0
+        between = tail + _EVENT_END + head
+        rest = data[at + len(head):]
+        texts = rest.split(between)
+        texts.pop()  # the last event's text and what follows it: one by one
+        if not texts or b"" in texts:
+            return 0, 0
+        joined = b"".join(texts)
+        if (_QUOTE in joined or _LF in joined or _CR in joined
+                or (_BACKSLASH in joined and b"\\" + between in rest)):
+            return 0, 0
+        return (len(texts) * (len(head) + len(tail) + 2) + len(joined)), len(texts)
+
+    def _learn(self, event: bytes, text: re.Match[bytes]) -> None:
+        """A plain token the template missed becomes the template, unless its text holds an
+        escape (the template there stays); the _MISSES-th in a row ends learning for this
+        stream."""
+        start = text.end() - 1
+        close = event.find(_QUOTE, start)
+        # The open choice lies wholly before or after the text (no quote in the text), unless
+        # it opens with the text's quote (`"text":"finish_reason":null`, not JSON): then
+        # another text would leave no open choice.
+        if (close <= start or event.find(_BACKSLASH, start, close) >= 0
+                or event.startswith(_OPEN_CHOICE, start - 1)
+                or event.startswith(_OPEN_CHOICE_SPACED, start - 1)):
+            return
+        self._misses += 1
+        if self._misses == _MISSES:
+            self._head = self._tail = _NO_TEMPLATE
+        else:
+            self._head, self._tail = event[:start], event[close:]
+
+
+def _plain_text(event: bytes) -> re.Match[bytes] | None:
+    """The full check of one event (no blank line): where its text is when it is one `data: `
+    line that `read_chunk` calls a plain token; None when it is not."""
+    if not (event.startswith(b"data: ") and _LF not in event and _CR not in event
+            and (_OPEN_CHOICE in event or _OPEN_CHOICE_SPACED in event)):
+        return None
+    text = _PLAIN_TEXT.search(event)
+    if text is None or _TO_READ.search(event):
+        return None
+    return text
 
 
 def read_chunk(data: bytes) -> StreamChunk:

@@ -51,7 +51,7 @@ from gateway.upstream import (
 )
 from protocol.errors import ApiError
 from protocol.openai import OpenAIRequest, prompt_text, prompt_token_ids
-from protocol.sse import SSEReader
+from protocol.sse import PlainTokens, SSEReader
 
 log = logging.getLogger("fairgate.gateway")
 HEALTH_TIMEOUT_S = 2.0  # a health check (/load, /v1/models) not answered in this: down
@@ -329,11 +329,11 @@ class RemoteBackend:
 
     async def _stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
         resp = await self._post(job, stream=True)
-        reader = SSEReader()
+        reader, plain = SSEReader(), PlainTokens()
         streaming = False  # the first token came: from now on only a stall times out
         try:
             while data := await resp.next_chunk():
-                out = pass_chunk(reader, data, job, outcome)
+                out = pass_chunk(reader, plain, data, job, outcome)
                 if not streaming and outcome.chunk_times:
                     resp.watch_stalls(self.stall_timeout)
                     streaming = True

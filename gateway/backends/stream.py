@@ -7,7 +7,7 @@ with LF line ends, except for the usage the client did not ask for: the usage ev
 engine for usage, since it settles the tenant's charge exactly.
 
 `pass_chunk` takes a whole read: the whole plain token events it opens with (the bulk of every
-stream) are told apart by one regular expression and go on as they came, which is what the
+stream) are told apart by `protocol.sse.PlainTokens` and go on as they came, which is what the
 events one by one would give (`tests/gateway/test_stream_events.py` holds the two to each other
 over any stream cut into any reads); the rest of the read goes event by event. The tokens of one
 read are noted with one time: they left together.
@@ -24,10 +24,10 @@ from protocol.errors import ApiError
 from protocol.sse import (
     DONE,
     PLAIN_TOKEN,
+    PlainTokens,
     SSEReader,
     StreamChunk,
     encode_event,
-    plain_token_prefix,
     read_chunk,
     sse_json,
 )
@@ -37,13 +37,14 @@ _NULL_USAGE_TAILS = (b',"usage":null}', b', "usage": null}')  # the last key of 
 _NULL_USAGE_ENDS = tuple(tail + b"\n\n" for tail in _NULL_USAGE_TAILS)
 
 
-def pass_chunk(reader: SSEReader, data: bytes, job: Job, outcome: Outcome) -> bytes:
+def pass_chunk(reader: SSEReader, plain: PlainTokens, data: bytes, job: Job,
+               outcome: Outcome) -> bytes:
     """One read of the backend's stream: what goes on to the client (b"" for nothing), each
     event as `pass_event` passes it. The whole plain token events a read opens with (the bulk
-    of a stream) are told apart by one regular expression and go on as they came, their tokens
+    of a stream) are told apart by `plain` (the stream's) and go on as they came, their tokens
     noted at once; what follows them goes through `reader` and `pass_event`, event by event."""
     if reader.starts_event(data):
-        end, tokens = plain_token_prefix(data)
+        end, tokens = plain.prefix(data)
         head = data[:end]
         if tokens and not job.req.include_usage and _USAGE_KEY in head:
             for tail in _NULL_USAGE_ENDS:  # an event's last key: top-level for sure
