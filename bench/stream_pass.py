@@ -89,7 +89,7 @@ def main() -> int:
             best = {at_once: float("inf"), one_by_one: float("inf")}
             for _ in range(args.repeats):
                 for way in best:
-                    took = timeit.timeit(lambda w=way: w(reads, job), number=args.streams)
+                    took = timeit.timeit(lambda w=way, r=reads: w(r, job), number=args.streams)
                     best[way] = min(best[way], took / args.streams * 1e6)
             shape = f"{label}{', a field varies' if varying else ''}"
             print(f"{shape:<36} pass_chunk {best[at_once]:6.1f}   event by event "

@@ -235,9 +235,12 @@ class PlainTokens:
     Anything else is checked in full, and a plain token found that way becomes the template,
     until templates stop paying: in a stream whose token events differ by more than their
     text (a field that varies per event), after the third template in a row that missed,
-    each event is checked in full and nothing more is learned. (The one event the two checks call differently is a token whose text is exactly `error`:
+    each event is checked in full and nothing more is learned.
+
+    The one event the two checks call differently is a token whose text is exactly `error`:
     the full check reads it as a possible error event and parses it, which then passes it on
-    unchanged, as the template does.)"""
+    unchanged, as the template does. `tests/gateway/test_stream_events.py` holds the rest to
+    what `read_chunk` says, raw bytes in a template's text included."""
 
     __slots__ = ("_head", "_tail", "_misses")
 
