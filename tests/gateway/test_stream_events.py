@@ -284,6 +284,24 @@ def test_a_stream_whose_tokens_differ_stops_learning(monkeypatch: pytest.MonkeyP
     assert PlainTokens().prefix(events[0] * 3) == (len(events[0]) * 3, 3) and len(checked) == 15
 
 
+def test_a_first_token_with_the_role_does_not_stop_learning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's first token event carries the role too: its template misses the second token,
+    whose template then holds for the rest; the misses start over at the hit."""
+    checked = _count_full_checks(monkeypatch)
+
+    def event(delta: dict[str, str]) -> bytes:
+        return b"data: " + json.dumps({"id": "c", "choices": [{
+            "index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]},
+            separators=(",", ":")).encode() + b"\n\n"
+
+    plain = PlainTokens()
+    reads = [event({"role": "assistant", "content": "Hi"})] + [
+        event({"content": f" w{i}"}) for i in range(8)]
+    assert [plain.prefix(read) for read in reads] == [(len(read), 1) for read in reads]
+    assert len(checked) == 2 and plain._misses == 0
+
+
 def _count_full_checks(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     import protocol.sse
 

@@ -246,19 +246,26 @@ def test_guidellm_run_against_fairgate_serve_needs_no_model_flags(
     assert served_model(url, key) == served.model_id
     env = {**os.environ, **OFFLINE, "HF_HOME": str(served.hf_home),
            "COLUMNS": "1000"}  # rich would fold a long model id over lines
-    proc = subprocess.run(
-        [str(GUIDELLM), "run", "--backend", f"kind=openai_http,target={url},api_key={key}",
-         "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=4",
-         "--data", "kind=synthetic_text,prompt_tokens=64,output_tokens=16"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    log = proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.returncode == 0, log
-    assert f"using model '{served.model_id}' as tokenizer" in proc.stdout, log
-    report = json.loads((tmp_path / "benchmarks.json").read_text())
-    (benchmark,) = report["benchmarks"]
+    for attempt in (1, 2):
+        proc = subprocess.run(
+            [str(GUIDELLM), "run", "--backend", f"kind=openai_http,target={url},api_key={key}",
+             "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=4",
+             "--data", "kind=synthetic_text,prompt_tokens=64,output_tokens=16"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        log = proc.stdout[-4000:] + proc.stderr[-4000:]
+        assert proc.returncode == 0, log
+        assert f"using model '{served.model_id}' as tokenizer" in proc.stdout, log
+        report = json.loads((tmp_path / "benchmarks.json").read_text())
+        (benchmark,) = report["benchmarks"]
+        state = benchmark["scheduler_state"]
+        # guidellm's own race, seen under a loaded suite: it finalizes the benchmark with the
+        # last request still counted as processing (no error, no incomplete request; the server
+        # answered it). That run says nothing about the server: run once more, same checks.
+        if attempt == 1 and state["processing_requests"] and not state["errored_requests"]:
+            continue
+        break
     given = report["config"]["spec"]  # the run's arguments: no model, no tokenizer
     assert (given["backend"]["model"], given["tokenizer"]["model"]) == ("", None), given
-    state = benchmark["scheduler_state"]
     errors = [r["info"]["error"] for r in benchmark["requests"]["errored"] or []]
     assert (state["successful_requests"], state["errored_requests"]) == (4, 0), (errors, log)
     successful = benchmark["requests"]["successful"]
