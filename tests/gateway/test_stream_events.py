@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import protocol.sse
 from engine.request import SamplingParams
 from gateway.backends import Job, Outcome
 from gateway.backends.stream import pass_chunk, pass_event
@@ -176,7 +177,7 @@ def test_a_stream_in_one_format_read_at_once_gives_its_events_one_by_one(
 def _a_plain_token(event: bytes) -> bool:
     """What the fast way may call a plain token: one `data: ` line whose JSON is a token with
     no usage counts and no error to read."""
-    if not event.startswith(b"data: ") or b"\n" in event or b"\r" in event:
+    if not _one_data_line(event):
         return False
     try:
         body = json.loads(event[6:])
@@ -204,8 +205,12 @@ def test_plain_tokens_are_the_longest_run_of_tokens_a_read_opens_with(
             assert not _read_as_plain(events[count][:-2])
 
 
+def _one_data_line(event: bytes) -> bool:
+    return event.startswith(b"data: ") and b"\n" not in event and b"\r" not in event
+
+
 def _read_as_plain(event: bytes) -> bool:
-    if not event.startswith(b"data: ") or b"\n" in event or b"\r" in event:
+    if not _one_data_line(event):
         return False
     try:
         return read_chunk(event[6:]) is PLAIN_TOKEN
@@ -303,8 +308,6 @@ def test_a_first_token_with_the_role_does_not_stop_learning(
 
 
 def _count_full_checks(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
-    import protocol.sse
-
     checked: list[bytes] = []
     full_check = protocol.sse._plain_text
 
