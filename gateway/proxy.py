@@ -121,63 +121,66 @@ async def _whole(adm: Admission, backend: Backend) -> web.Response:
 
 async def _stream(request: web.Request, adm: Admission, backend: Backend,
                   deadline: float) -> web.StreamResponse:
+    """The stream, under one deadline from the first event to the last write: a client that
+    stops reading cannot hold its seat past it. Headers wait for the first event: an error
+    that comes before any token (bad params, overload, the deadline) still gets a proper
+    status code. After the first byte an error travels as an SSE error event (`_broken`).
+    Once `[DONE]` is written the request is settled as served (200): a client that hangs up
+    as soon as it reads it (many do) was answered, whatever the end of the stream then meets
+    (a closing transport, a cancelled handler, the backend's own end)."""
     events = backend.stream(adm.job, adm.outcome)
+    resp: web.StreamResponse | None = None  # once its headers went out
     try:
-        # Wait for the first event before sending headers: errors that come before any token
-        # (bad params, overload, the deadline) still get a proper status code.
-        async with asyncio.timeout_at(deadline):
-            first = await anext(events, b"")
-        resp = web.StreamResponse(headers=SSE_HEADERS)
-        await resp.prepare(request)
-        adm.settle(await _pump(request, resp, adm, first, events, deadline))
+        try:
+            async with asyncio.timeout_at(deadline):
+                first = await anext(events, b"")
+                started = web.StreamResponse(headers=SSE_HEADERS)
+                await started.prepare(request)
+                resp = started
+                await _write(resp, first, adm)
+                async for chunk in events:
+                    await _write(resp, chunk, adm)
+                await resp.write_eof()
+            status = 200
+        except (ConnectionError, ApiError, BackendUnavailable, TimeoutError) as exc:
+            if resp is None or (isinstance(exc, ConnectionError) and not adm.settled):
+                raise  # nothing sent yet (the status code says it), or the client is gone
+            status = await _broken(request, resp, adm, events, exc)
+        adm.settle(status)
         return resp
     finally:
         await events.aclose()
 
 
-async def _pump(request: web.Request, resp: web.StreamResponse, adm: Admission, first: bytes,
-                events: Any, deadline: float) -> int:
-    """Write the stream; an error after the first byte travels as an SSE error event. The
-    deadline covers every write: a client that stops reading cannot hold its seat past it.
-    Once `[DONE]` is written the request is settled as served (200): a client that hangs up
-    as soon as it reads it (many do) was answered, whatever the end of the stream then meets
-    (a closing transport, a cancelled handler, the backend's own end)."""
+async def _broken(request: web.Request, resp: web.StreamResponse, adm: Admission,
+                  events: Any, exc: Exception) -> int:
+    """A stream that failed after its first byte (a backend's error, the deadline; a client
+    gone after [DONE]): an error event to the client unless it was answered already. The
+    status the request settles with."""
+    if adm.settled:  # after [DONE]: nothing more is the client's; no event after the end
+        log.debug("after [DONE]: %s", exc)
+        return 200
+    if isinstance(exc, ApiError):
+        err = exc
+    elif isinstance(exc, TimeoutError):
+        err = _request_timeout(adm.gateway.config.request_timeout_s)
+    else:
+        err = ApiError(503, str(exc), code="backend_error")
+    await events.aclose()  # the engine's seat is free before the client hears why
     try:
-        async with asyncio.timeout_at(deadline):
-            await _write(resp, first, adm)
-            async for chunk in events:
-                await _write(resp, chunk, adm)
+        async with asyncio.timeout(_ERROR_WRITE_S):
+            await resp.write(error_event(err) + DONE)
             await resp.write_eof()
-            return 200
-    except ConnectionError:
-        if adm.settled:  # after [DONE]: the client left with its whole answer
-            return 200
-        raise
-    except (ApiError, BackendUnavailable, TimeoutError) as exc:
-        if adm.settled:  # after [DONE]: nothing more is the client's; no event after the end
-            log.debug("after [DONE]: %s", exc)
-            return 200
-        if isinstance(exc, ApiError):
-            err = exc
-        elif isinstance(exc, TimeoutError):
-            err = _request_timeout(adm.gateway.config.request_timeout_s)
-        else:
-            err = ApiError(503, str(exc), code="backend_error")
-        await events.aclose()  # the engine's seat is free before the client hears why
-        try:
-            async with asyncio.timeout(_ERROR_WRITE_S):
-                await resp.write(error_event(err) + DONE)
-                await resp.write_eof()
-        except (TimeoutError, ConnectionError, asyncio.CancelledError):
-            # It will not read even this: hang up. (A write cut off by the deadline leaves
-            # aiohttp's drain waiter cancelled, so the next write raises CancelledError at once;
-            # a cancellation of this task itself still propagates.)
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise
-            if request.transport is not None:
-                request.transport.abort()
-        return err.status
+    except (TimeoutError, ConnectionError, asyncio.CancelledError):
+        # It will not read even this: hang up. (A write cut off by the deadline leaves
+        # aiohttp's drain waiter cancelled, so the next write raises CancelledError at once;
+        # a cancellation of this task itself still propagates.)
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        if request.transport is not None:
+            request.transport.abort()
+    return err.status
 
 
 async def _write(resp: web.StreamResponse, chunk: bytes, adm: Admission) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -72,7 +73,6 @@ log = logging.getLogger(__name__)
 Row = dict[str, Any]
 
 _INSERT_CHUNK = 2_000
-_MINUTE_CHUNK = 500  # rollup rows per upsert (16 bound values each)
 _MAX_MINUTE = 2**31 - 1
 PRUNE_EVERY_S = 3600.0  # fg_usage_minutes.minute is a 32-bit integer
 _SHUTDOWN_BACKOFF = Backoff(first_s=0.1, max_s=2.0)  # a flush at shutdown, until its timeout
@@ -270,13 +270,16 @@ def minute_rollups(rows: Iterable[Row], unit: int = 60, column: str = "minute") 
     return list(sums.values())
 
 
-def _upsert_rollups(dialect: str, model: Any, column: str, rows: list[Row]) -> Any:
-    """INSERT ... ON CONFLICT (tenant, minute|hour) DO UPDATE SET n = n + excluded.n."""
+@functools.cache
+def _upsert_rollups(dialect: str, model: Any, column: str) -> Any:
+    """INSERT ... ON CONFLICT (tenant, minute|hour) DO UPDATE SET n = n + excluded.n, one
+    statement per database and table, run as an executemany of the rollup rows: built and
+    compiled once (a statement carrying its rows' values was compiled anew at every flush, a
+    few milliseconds each on a slow core; bench/RESULTS.md, issue 28)."""
     from sqlalchemy.dialects import postgresql, sqlite
 
     table = cast(Table, model.__table__)
-    stmt: Any = (postgresql.insert(table) if dialect == "postgresql"
-                 else sqlite.insert(table)).values(rows)
+    stmt: Any = postgresql.insert(table) if dialect == "postgresql" else sqlite.insert(table)
     return stmt.on_conflict_do_update(
         index_elements=[table.c.tenant, table.c[column]],
         set_={name: table.c[name] + stmt.excluded[name] for name in MINUTE_COUNTS})
@@ -535,9 +538,8 @@ class UsageLedger:
                 await statement.run(connection, rows[i : i + _INSERT_CHUNK])
             for model, column, sums in rollups:
                 sums.sort(key=lambda m: (m["tenant"], m[column]))  # one lock order for all
-                for i in range(0, len(sums), _MINUTE_CHUNK):
-                    await s.execute(_upsert_rollups(dialect, model, column,
-                                                    sums[i : i + _MINUTE_CHUNK]))
+                if sums:
+                    await s.execute(_upsert_rollups(dialect, model, column), sums)
 
         await self.store.db.run(op)
 

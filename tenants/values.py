@@ -7,6 +7,7 @@ user can act on.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -210,9 +211,10 @@ class TenantInfo:
                 f"{list(self.allowed_priorities)}", "default_priority"
             )
 
-    @property
+    @functools.cached_property
     def slo(self) -> SLO:
-        """The tenant's latency targets, as protocol.measures checks them."""
+        """The tenant's latency targets, as protocol.measures checks them: built once per
+        TenantInfo (immutable; the gateway reads it several times a request)."""
         return SLO(self.slo_ttft_p99_s, self.slo_tpot_p99_s, self.slo_itl_p99_s)
 
     def settings(self) -> dict[str, Any]:

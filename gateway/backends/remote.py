@@ -322,27 +322,21 @@ class RemoteBackend:
 
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
         with self._working(job), self._judged():
-            # closed with this one, so the upstream connection is shut before aclose returns
-            async with contextlib.aclosing(self._stream(job, outcome)) as inner:
-                async for chunk in inner:
-                    yield chunk
-
-    async def _stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
-        resp = await self._post(job, stream=True)
-        reader, plain = SSEReader(), PlainTokens()
-        streaming = False  # the first token came: from now on only a stall times out
-        try:
-            while data := await resp.next_chunk():
-                out = pass_chunk(reader, plain, data, job, outcome)
-                if not streaming and outcome.chunk_times:
-                    resp.watch_stalls(self.stall_timeout)
-                    streaming = True
-                if out:
-                    yield out
-        except UpstreamError as exc:
-            raise self._broken(exc) from None
-        finally:
-            resp.close()
+            resp = await self._post(job, stream=True)
+            reader, plain = SSEReader(), PlainTokens()
+            streaming = False  # the first token came: from now on only a stall times out
+            try:
+                while data := await resp.next_chunk():
+                    out = pass_chunk(reader, plain, data, job, outcome)
+                    if not streaming and outcome.chunk_times:
+                        resp.watch_stalls(self.stall_timeout)
+                        streaming = True
+                    if out:
+                        yield out
+            except UpstreamError as exc:
+                raise self._broken(exc) from None
+            finally:
+                resp.close()  # the upstream connection is shut before aclose() returns
 
     async def complete(self, job: Job, outcome: Outcome) -> bytes:
         with self._working(job), self._judged():
