@@ -18,8 +18,9 @@ request (auth, parsing, admission, fair share, metrics, the ledger, the SSE pass
 
 `--baseline DIR` runs a second gateway from another checkout (`git worktree add --detach DIR
 REV`) in the same rounds, rotated with the others, and prints this tree's CPU per request over
-its: on a shared machine whose speed drifts between runs, a change of a few percent shows only
-when both run side by side.
+its, and the median and middle half of the rounds' own ratios: on a shared machine whose speed
+drifts between runs, a change of a few percent shows only when both run side by side, and only
+where the middle half of the ratios sits clear of 1.
 
 Goals (issue 28): the gateway at most 1.6x the mock's CPU per request non-streaming, 1.4x
 streaming. The ratio is taken within one run, so the machine's speed cancels out.

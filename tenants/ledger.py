@@ -274,8 +274,8 @@ def minute_rollups(rows: Iterable[Row], unit: int = 60, column: str = "minute") 
 def _upsert_rollups(dialect: str, model: Any, column: str) -> Any:
     """INSERT ... ON CONFLICT (tenant, minute|hour) DO UPDATE SET n = n + excluded.n, one
     statement per database and table, run as an executemany of the rollup rows: built and
-    compiled once (a statement carrying its rows' values was compiled anew at every flush, a
-    few milliseconds each on a slow core; bench/RESULTS.md, issue 28)."""
+    compiled once (a statement carrying its rows' values was compiled anew at every flush: about
+    3 ms a flush for the two on this project's 2-core VM; bench/RESULTS.md, issue 28)."""
     from sqlalchemy.dialects import postgresql, sqlite
 
     table = cast(Table, model.__table__)
