@@ -161,12 +161,11 @@ def median(values: list[float]) -> float:
 
 
 def middle_half(values: list[float]) -> tuple[float, float]:
-    """The first and third quartiles (the nearest ranks): on a shared VM one round can read 20% off,
-    so a change of a few percent shows only where the middle half of the rounds' ratios sits
-    clear of 1."""
+    """The first and third quartiles, by the project's percentile rule (protocol.stats)."""
+    from protocol.stats import percentile_of_sorted
+
     ordered = sorted(values)
-    last = len(ordered) - 1
-    return ordered[round(last * 0.25)], ordered[round(last * 0.75)]
+    return percentile_of_sorted(ordered, 25), percentile_of_sorted(ordered, 75)
 
 
 async def run(args: argparse.Namespace, targets: dict[str, tuple[int, str, str | None]]) -> int:

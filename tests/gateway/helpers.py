@@ -197,6 +197,11 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
 
+def sse_events(raw: bytes) -> list[dict[str, Any]]:
+    """The JSON events of a whole streamed answer ([DONE] and comments left out)."""
+    return [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
+
+
 async def collect(resp: Any) -> AsyncIterator[dict[str, Any]]:
     async for line in resp.content:
         line = line.strip()

@@ -28,7 +28,7 @@ from gateway.config import BackendConfig, GatewayConfig
 from gateway.upstream import UpstreamPool, UpstreamTimeout
 from protocol.openai import ResponseWriter
 from protocol.sse import DONE
-from tests.gateway.helpers import SIM_ENGINE, Harness, completion, start_gateway
+from tests.gateway.helpers import SIM_ENGINE, Harness, completion, sse_events, start_gateway
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(30)
@@ -158,10 +158,6 @@ async def timed_post(h: Harness, body: dict[str, Any]) -> tuple[Any, bytes, floa
     resp = await h.post("acme", body)
     raw = await resp.read()
     return resp, raw, time.monotonic() - start
-
-
-def sse_events(raw: bytes) -> list[dict[str, Any]]:
-    return [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
 
 
 async def assert_the_others_serve(h: Harness, stoppable: StoppableEngine) -> None:

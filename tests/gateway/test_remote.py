@@ -10,7 +10,7 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from engine.server import make_app as make_engine_app
-from tests.gateway.helpers import SIM_ENGINE, collect, completion, start_gateway
+from tests.gateway.helpers import SIM_ENGINE, collect, completion, sse_events, start_gateway
 from tests.support.processes import free_port
 from tuner.fake_server import SCRIPT, make_fake_app
 
@@ -98,8 +98,7 @@ async def test_stream_from_a_backend_with_crlf_or_cr_line_ends(
                                      "stream_options": {"include_usage": True}}, path=path)
         raw = await resp.read()
         assert resp.status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw
-        events = [json.loads(line[6:]) for line in raw.split(b"\n")
-                  if line.startswith(b"data: {")]
+        events = sse_events(raw)
         texts = [c.get("text") or c.get("delta", {}).get("content") or ""
                  for e in events for c in e["choices"]]
         assert "".join(texts) == "aaaa" and events[-1]["usage"]["completion_tokens"] == 4

@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from gateway.backends import Job, Outcome
-from tests.gateway.helpers import ControlledBackend, start_gateway
+from tests.gateway.helpers import ControlledBackend, sse_events, start_gateway
 
 pytestmark = pytest.mark.timeout(30)
 DEADLINE = 0.3
@@ -25,7 +25,6 @@ class QuietAfter(ControlledBackend):
     """Streams `tokens` tokens, then waits for a release that never comes."""
 
     tokens: int = 0
-    quiet: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
         writer = job.writer()
@@ -35,7 +34,7 @@ class QuietAfter(ControlledBackend):
                 outcome.completion_tokens += 1
                 outcome.chunk_times.append(asyncio.get_running_loop().time())
                 yield writer.chunk("x", None)
-            await self.quiet.wait()
+            await asyncio.Event().wait()  # quiet from here on
             yield b"data: [DONE]\n\n"
         finally:
             self.closed.append(job.tenant)
@@ -77,7 +76,7 @@ async def test_a_stream_that_goes_quiet_after_its_first_token_ends_in_an_error_e
     resp, raw, h = await _stream(aiohttp_client, db_url, backend)
     assert resp.status == 200 and resp.content_type == "text/event-stream", raw
     assert raw.endswith(b"data: [DONE]\n\n"), raw
-    events = [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
+    events = sse_events(raw)
     assert [e["choices"][0]["text"] for e in events[:-1]] == ["x", "x"]
     assert events[-1]["error"]["code"] == "timeout"
     assert f"within {DEADLINE:g} s" in events[-1]["error"]["message"]
