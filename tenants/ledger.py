@@ -467,14 +467,16 @@ class UsageLedger:
             self.record(e)
 
     async def flush(self) -> int:
-        """Write everything buffered so far; returns how many records were written (refused
-        ones are set aside, not counted). Raises, keeping the rest, if the database is down."""
+        """Write everything buffered so far, in one batch; returns how many records were
+        written (refused ones are set aside, not counted). Raises, keeping the rest, if the
+        database is down. Records that come while it writes wait for the next flush: one that
+        took them too would, under steady traffic, write a few rows at a time back to back and
+        never return, a transaction's whole cost spread over a handful of requests
+        (bench/RESULTS.md, issue 28). A flush that waited for another's lock takes what is
+        buffered once it has it: everything recorded before it was called, written or kept."""
         async with self._flush_lock:
-            written = 0
-            while self._pending:
-                batch, self._pending = self._pending, []
-                written += await self._write_or_set_aside(batch)
-            return written
+            batch, self._pending = self._pending, []
+            return await self._write_or_set_aside(batch) if batch else 0
 
     def shared_flush(self) -> asyncio.Future[int]:
         """A flush for callers that only need what was recorded before they asked (a usage

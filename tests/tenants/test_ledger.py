@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -100,3 +101,30 @@ async def test_failed_flush_keeps_the_batch(store: TenantStore, monkeypatch: pyt
     monkeypatch.setattr(ledger, "_write", real_write)
     await ledger.close()
     assert (await ledger.totals("acme"))["prompt_tokens"] == 0 + 1 + 2 + 3
+
+
+async def test_a_flush_writes_what_was_buffered_when_it_was_called(
+        store: TenantStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records that come while a flush writes wait for the next flush: under steady traffic a
+    flush that took them too wrote a few rows at a time, back to back, and never returned."""
+    ledger = UsageLedger(store)
+    ledger.record_many(event(prompt_tokens=1) for _ in range(3))
+    real_write = ledger._write
+    batches: list[int] = []
+
+    async def write_while_requests_finish(rows: list[dict[str, object]]) -> None:
+        batches.append(len(rows))
+        ledger.record(event(prompt_tokens=100))  # a request ends while the batch is written
+        await real_write(rows)
+
+    monkeypatch.setattr(ledger, "_write", write_while_requests_finish)
+    async with asyncio.timeout(30):  # the flush that chased new records never returned here
+        assert await ledger.flush() == 3
+    assert batches == [3] and ledger.pending == 1
+    # two flushes at once: the second takes, once it has the lock, what is buffered then
+    async with asyncio.timeout(30):
+        assert await asyncio.gather(ledger.flush(), ledger.flush()) == [1, 1]
+    assert batches == [3, 1, 1] and ledger.pending == 1
+    monkeypatch.setattr(ledger, "_write", real_write)
+    await ledger.close()
+    assert (await ledger.totals("acme"))["prompt_tokens"] == 3 + 3 * 100
