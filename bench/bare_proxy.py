@@ -5,7 +5,9 @@
 No auth, no parsing, no admission, no queue, no accounting: one request forwarded and the
 response passed back chunk by chunk. The upstream client is aiohttp's pooled `ClientSession`
 (the default: what a plain aiohttp proxy is), or `lean`: the gateway's own `UpstreamPool`, so
-what is left between this proxy and the gateway is the gateway's work alone.
+what is left between this proxy and the gateway is the gateway's work alone. The lean one also
+sends as few times as the gateway does: the response's headers with its first bytes, and the
+last bytes (those read once the backend's answer had all arrived) with the body's end.
 `bench/gateway_overhead.py` runs it beside the gateway so the gateway's own cost can be told apart
 from what any Python proxy on this machine adds; `bench/gateway_cpu.py` runs the lean one as the
 floor of the gateway's CPU per request.
@@ -24,7 +26,7 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 
 from engine.server import install_fast_event_loop  # noqa: E402
-from gateway.upstream import Response, UpstreamPool  # noqa: E402
+from gateway.upstream import UpstreamPool  # noqa: E402
 
 UPSTREAM = web.AppKey("upstream", str)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
@@ -41,20 +43,26 @@ async def forward(request: web.Request) -> web.StreamResponse:
                            upstream.content.iter_any())
 
 
+class LeanResponse(web.StreamResponse):
+    _send_headers_immediately = False  # as protocol.http.SSEResponse: with the first bytes
+
+
 async def forward_lean(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     upstream = await request.app[POOL].request(request.method, request.path, body, timeout=60)
     try:
-        return await relay(request, upstream.status,
-                           upstream.headers.get("content-type", "application/json"),
-                           chunks(upstream))
+        resp = LeanResponse(status=upstream.status, headers={
+            "Content-Type": upstream.headers.get("content-type", "application/json")})
+        await resp.prepare(request)
+        while chunk := await upstream.next_chunk():
+            if upstream.ended:  # all of the answer is here: this is its last
+                await resp.write_eof(chunk)
+            else:
+                await resp.write(chunk)
+        await resp.write_eof()
+        return resp
     finally:
         upstream.close()
-
-
-async def chunks(upstream: Response) -> AsyncIterator[bytes]:
-    while chunk := await upstream.next_chunk():
-        yield chunk
 
 
 async def relay(request: web.Request, status: int, content_type: str,

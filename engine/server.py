@@ -28,7 +28,7 @@ from engine.config import EngineAccess
 from engine.metrics import EngineMetrics, register_process_metrics
 from engine.openai_api import generation_request
 from protocol.errors import ApiError, bad_request
-from protocol.http import SSE_HEADERS, bearer, error_middleware, query_float
+from protocol.http import SSEResponse, bearer, error_middleware, query_float
 from protocol.openai import (
     ResponseWriter,
     error_event,
@@ -215,8 +215,8 @@ def _failure(output: RequestOutput) -> ApiError | None:
 
 async def _stream(request: web.Request, writer: ResponseWriter, first: RequestOutput,
                   outputs: AsyncGenerator[RequestOutput, None]) -> web.StreamResponse:
-    response = web.StreamResponse(headers=SSE_HEADERS)
-    await response.prepare(request)
+    response = SSEResponse()
+    await response.prepare(request)  # the headers go with the role chunk
     try:
         await response.write(writer.role_chunk())
         last = await _stream_outputs(response, writer, first, outputs)
@@ -227,7 +227,7 @@ async def _stream(request: web.Request, writer: ResponseWriter, first: RequestOu
         if writer.include_usage:
             await response.write(writer.usage_chunk(last.num_prompt_tokens,
                                                     last.num_output_tokens))
-        await response.write(DONE)
+        await response.write_eof(DONE)  # the last event and the body's end in one send
     except ConnectionResetError:
         logger.debug("client left during %s", writer.id)
     return response

@@ -19,7 +19,7 @@ from gateway.backends import Backend, BackendFailed, BackendUnavailable, Outcome
 from gateway.service import Admission
 from gateway.state import AUTH, GATEWAY, SETTINGS
 from protocol.errors import ApiError
-from protocol.http import SSE_HEADERS, client_timeout
+from protocol.http import SSEResponse, client_timeout
 from protocol.openai import OpenAIRequest, error_event, parse_json_body, parse_request
 from protocol.sse import DONE
 
@@ -134,13 +134,14 @@ async def _stream(request: web.Request, adm: Admission, backend: Backend,
         try:
             async with asyncio.timeout_at(deadline):
                 first = await anext(events, b"")
-                started = web.StreamResponse(headers=SSE_HEADERS)
-                await started.prepare(request)
+                started = SSEResponse()
+                await started.prepare(request)  # the headers go with the first write
                 resp = started
                 await _write(resp, first, adm)
                 async for chunk in events:
-                    await _write(resp, chunk, adm)
-                await resp.write_eof()
+                    if not adm.settled:  # nothing goes after [DONE]; the rest is read all the same
+                        await _write(resp, chunk, adm)
+                await resp.write_eof()  # a stream that ended without [DONE]
             status = 200
         except (ConnectionError, ApiError, BackendUnavailable, TimeoutError) as exc:
             if resp is None or (isinstance(exc, ConnectionError) and not adm.settled):
@@ -184,7 +185,10 @@ async def _broken(request: web.Request, resp: web.StreamResponse, adm: Admission
 
 
 async def _write(resp: web.StreamResponse, chunk: bytes, adm: Admission) -> None:
+    if chunk.endswith(DONE):  # a backend's stream ends with it (after any usage chunk)
+        await resp.write_eof(chunk)  # its last events and the body's end in one send
+        adm.streamed()
+        adm.settle(200)
+        return
     await resp.write(chunk)
     adm.streamed()  # the first token's event, once it is written
-    if chunk.endswith(DONE):  # a backend's stream ends with it (after any usage chunk)
-        adm.settle(200)

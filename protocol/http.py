@@ -22,6 +22,21 @@ from protocol.errors import ApiError, bad_request
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
+
+
+class SSEResponse(web.StreamResponse):
+    """A response for a stream of events, its headers (SSE_HEADERS) sent with its first write.
+
+    aiohttp's StreamResponse sends its headers alone as soon as it is prepared: a send of its
+    own, on the event loop's time, in every stream. Both of fairgate's servers prepare a stream
+    only once its first event is ready, so the headers would leave with it anyway; buffered as
+    aiohttp's `Response` buffers them, they go in the same send (and an end written with
+    `write_eof(data)` goes in the last one)."""
+
+    _send_headers_immediately = False  # aiohttp's switch (3.11+); `Response` has it off too
+
+    def __init__(self) -> None:
+        super().__init__(headers=SSE_HEADERS)
 _KEPT_HEADERS = ("Allow", "Retry-After")
 
 

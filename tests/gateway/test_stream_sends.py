@@ -1,0 +1,125 @@
+"""A stream goes to its client in as few sends as its backend's reads allow: the response's
+headers leave with the first event (not alone at `prepare`), and the read that ends with
+`[DONE]` leaves with the end of the chunked body. Nothing the backend sends after `[DONE]`
+reaches the client, and the request is still read to its end and settled as served."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gateway.app import make_app
+from gateway.backends import Job, Outcome
+from gateway.config import GatewayConfig
+from gateway.state import GATEWAY
+from tests.gateway.helpers import ControlledBackend, create_tenants
+from tests.support.waiting import wait_for
+
+_TRANSPORT = asyncio.selector_events._SelectorSocketTransport  # the loop the tests run on
+
+
+@dataclass
+class TwoReads(ControlledBackend):
+    """Its stream arrives in two reads: the first token alone, then the other tokens with
+    `[DONE]`; and, when `after_done`, a third read of bytes past the end (an engine's stray
+    comment, say), which no client may see."""
+
+    after_done: bytes = b""
+    ended: list[str] = field(default_factory=list)
+
+    async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
+        writer = job.writer()
+        events = []
+        for i in range(self.tokens_per_request):
+            outcome.completion_tokens += 1
+            outcome.finish_reason = "length" if i == self.tokens_per_request - 1 else None
+            outcome.chunk_times.append(asyncio.get_running_loop().time())
+            events.append(writer.chunk(f"t{i}", outcome.finish_reason))
+        yield events[0]
+        await asyncio.sleep(0)
+        yield b"".join(events[1:]) + b"data: [DONE]\n\n"
+        if self.after_done:
+            yield self.after_done
+        self.ended.append(job.tenant)  # read to its end: its connection could be kept
+
+
+def _record_sends(monkeypatch: pytest.MonkeyPatch) -> dict[Any, list[bytes]]:
+    """Every send of the loop's socket transports, by the transport's peer."""
+    sends: dict[Any, list[bytes]] = {}
+    write, writelines = _TRANSPORT.write, _TRANSPORT.writelines
+
+    def recorded(transport: Any, data: bytes) -> None:
+        sends.setdefault(transport.get_extra_info("peername"), []).append(bytes(data))
+
+    def write_recorded(transport: Any, data: bytes) -> None:
+        recorded(transport, data)
+        write(transport, data)
+
+    def writelines_recorded(transport: Any, chunks: Iterable[bytes]) -> None:
+        chunks = list(chunks)
+        recorded(transport, b"".join(chunks))
+        writelines(transport, chunks)
+
+    monkeypatch.setattr(_TRANSPORT, "write", write_recorded)
+    monkeypatch.setattr(_TRANSPORT, "writelines", writelines_recorded)
+    return sends
+
+
+async def _stream_raw(key: str, port: int) -> tuple[Any, bytes]:
+    """A streamed chat request on a raw socket, read to the end of the chunked body: (the
+    client socket's own address, everything received)."""
+    body = json.dumps({"model": "test-model", "stream": True, "max_tokens": 3,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+                 b"Authorization: Bearer " + key.encode() + b"\r\n"
+                 b"Content-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    received = b""
+    async with asyncio.timeout(30):
+        while not received.endswith(b"\r\n0\r\n\r\n"):
+            data = await reader.read(65536)
+            assert data, received
+            received += data
+    address = writer.get_extra_info("sockname")
+    writer.close()
+    return address, received
+
+
+@pytest.mark.parametrize("after_done", [b"", b": the engine's stray comment\n\n"])
+async def test_a_stream_leaves_in_one_send_per_backend_read(
+        db_url: str, monkeypatch: pytest.MonkeyPatch, after_done: bytes) -> None:
+    keys = await create_tenants(db_url, {"acme": {}})
+    backend = TwoReads(after_done=after_done)
+    app = make_app(GatewayConfig(demo_tenant=False), database=db_url, backends=[backend])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    sends = _record_sends(monkeypatch)
+    try:
+        client, received = await _stream_raw(keys["acme"], port)
+        to_client = sends[client]
+        assert len(to_client) == 2, to_client
+        head, tail = to_client
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert b"text/event-stream" in head and b'"t0"' in head and b'"t1"' not in head
+        assert b'"t1"' in tail and b'"t2"' in tail
+        assert tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert b"".join(to_client) == received
+        assert b"stray" not in received
+        await wait_for(lambda: backend.ended == ["acme"])
+        served = {s.labels["status"]: s.value
+                  for family in app[GATEWAY].metrics.registry.collect()
+                  if family.name == "fairgate_gateway_requests"
+                  for s in family.samples if s.name.endswith("_total")}
+        assert served == {"200": 1.0}
+    finally:
+        await runner.cleanup()
