@@ -215,33 +215,39 @@ def _failure(output: RequestOutput) -> ApiError | None:
 
 async def _stream(request: web.Request, writer: ResponseWriter, first: RequestOutput,
                   outputs: AsyncGenerator[RequestOutput, None]) -> web.StreamResponse:
+    """The events as they come, in as few sends as they allow: the headers and the role chunk
+    with the first token, the last token with the end (its error, the usage, [DONE])."""
     response = SSEResponse()
-    await response.prepare(request)  # the headers go with the role chunk
+    await response.prepare(request)  # the headers go with the first write
     try:
-        await response.write(writer.role_chunk())
-        last = await _stream_outputs(response, writer, first, outputs)
+        opening = writer.role_chunk()  # b"" for completions
+        if not (first.text or first.finished):  # no event of its own yet: the role goes now
+            await response.write(opening)
+            opening = b""
+        last, end = await _stream_outputs(response, writer, first, outputs, opening)
         if last.finish_reason == "error":
             failure = _failure(last)
             assert failure is not None
-            await response.write(error_event(failure))
+            end += error_event(failure)
         if writer.include_usage:
-            await response.write(writer.usage_chunk(last.num_prompt_tokens,
-                                                    last.num_output_tokens))
-        await response.write_eof(DONE)  # the last event and the body's end in one send
+            end += writer.usage_chunk(last.num_prompt_tokens, last.num_output_tokens)
+        await response.write_eof(end + DONE)
     except ConnectionResetError:
         logger.debug("client left during %s", writer.id)
     return response
 
 
 async def _stream_outputs(response: web.StreamResponse, writer: ResponseWriter,
-                          output: RequestOutput, outputs: AsyncGenerator[RequestOutput, None]
-                          ) -> RequestOutput:
-    while True:
-        if output.text or output.finished:
-            await response.write(writer.chunk(output.text, output.finish_reason))
-        if output.finished:
-            return output
+                          output: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
+                          opening: bytes) -> tuple[RequestOutput, bytes]:
+    """Each unfinished output's event as it comes, `opening` (the role chunk) in the first
+    send; the last output and its event, not sent: the stream's end goes with it."""
+    while not output.finished:
+        if output.text:
+            await response.write(opening + writer.chunk(output.text, output.finish_reason))
+            opening = b""
         output = await anext(outputs)
+    return output, opening + writer.chunk(output.text, output.finish_reason)
 
 
 async def models(request: web.Request) -> web.Response:

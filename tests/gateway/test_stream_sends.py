@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +19,8 @@ from gateway.backends import Job, Outcome
 from gateway.config import GatewayConfig
 from gateway.state import GATEWAY
 from tests.gateway.helpers import ControlledBackend, create_tenants
+from tests.support.sends import record_sends
 from tests.support.waiting import wait_for
-
-_TRANSPORT = asyncio.selector_events._SelectorSocketTransport  # the loop the tests run on
 
 
 @dataclass
@@ -47,28 +46,6 @@ class TwoReads(ControlledBackend):
         if self.after_done:
             yield self.after_done
         self.ended.append(job.tenant)  # read to its end: its connection could be kept
-
-
-def _record_sends(monkeypatch: pytest.MonkeyPatch) -> dict[Any, list[bytes]]:
-    """Every send of the loop's socket transports, by the transport's peer."""
-    sends: dict[Any, list[bytes]] = {}
-    write, writelines = _TRANSPORT.write, _TRANSPORT.writelines
-
-    def recorded(transport: Any, data: bytes) -> None:
-        sends.setdefault(transport.get_extra_info("peername"), []).append(bytes(data))
-
-    def write_recorded(transport: Any, data: bytes) -> None:
-        recorded(transport, data)
-        write(transport, data)
-
-    def writelines_recorded(transport: Any, chunks: Iterable[bytes]) -> None:
-        chunks = list(chunks)
-        recorded(transport, b"".join(chunks))
-        writelines(transport, chunks)
-
-    monkeypatch.setattr(_TRANSPORT, "write", write_recorded)
-    monkeypatch.setattr(_TRANSPORT, "writelines", writelines_recorded)
-    return sends
 
 
 async def _stream_raw(key: str, port: int) -> tuple[Any, bytes]:
@@ -103,7 +80,7 @@ async def test_a_stream_leaves_in_one_send_per_backend_read(
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
-    sends = _record_sends(monkeypatch)
+    sends = record_sends(monkeypatch)
     try:
         client, received = await _stream_raw(keys["acme"], port)
         to_client = sends[client]
