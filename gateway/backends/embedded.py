@@ -93,15 +93,17 @@ class EmbeddedBackend:
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
         writer = job.writer()
         opening = writer.role_chunk()  # sent with the first output: errors before it keep
+        end = b""  # the last output's event, the usage and [DONE]: one write, one send
         async for out in self._outputs(job):  # their status code
             _note(outcome, out)
-            if out.text or out.finished:
-                yield opening + writer.chunk(out.text,
-                                             outcome.finish_reason if out.finished else None)
+            if out.finished:
+                end = opening + writer.chunk(out.text, outcome.finish_reason)
+            elif out.text:
+                yield opening + writer.chunk(out.text, None)
                 opening = b""
         if job.req.include_usage:
-            yield writer.usage_chunk(outcome.prompt_tokens, outcome.completion_tokens)
-        yield DONE
+            end += writer.usage_chunk(outcome.prompt_tokens, outcome.completion_tokens)
+        yield end + DONE
 
     async def complete(self, job: Job, outcome: Outcome) -> bytes:
         writer = job.writer()

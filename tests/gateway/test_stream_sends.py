@@ -18,7 +18,7 @@ from gateway.app import make_app
 from gateway.backends import Job, Outcome
 from gateway.config import GatewayConfig
 from gateway.state import GATEWAY
-from tests.gateway.helpers import ControlledBackend, create_tenants
+from tests.gateway.helpers import SIM_ENGINE, ControlledBackend, create_tenants
 from tests.support.sends import record_sends
 from tests.support.waiting import wait_for
 
@@ -48,11 +48,12 @@ class TwoReads(ControlledBackend):
         self.ended.append(job.tenant)  # read to its end: its connection could be kept
 
 
-async def _stream_raw(key: str, port: int) -> tuple[Any, bytes]:
+async def _stream_raw(key: str, port: int, model: str = "test-model",
+                      **extra: Any) -> tuple[Any, bytes]:
     """A streamed chat request on a raw socket, read to the end of the chunked body: (the
     client socket's own address, everything received)."""
-    body = json.dumps({"model": "test-model", "stream": True, "max_tokens": 3,
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    body = json.dumps({"model": model, "stream": True, "max_tokens": 3,
+                       "messages": [{"role": "user", "content": "hi"}], **extra}).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
                  b"Authorization: Bearer " + key.encode() + b"\r\n"
@@ -69,17 +70,20 @@ async def _stream_raw(key: str, port: int) -> tuple[Any, bytes]:
     return address, received
 
 
+async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
 @pytest.mark.parametrize("after_done", [b"", b": the engine's stray comment\n\n"])
 async def test_a_stream_leaves_in_one_send_per_backend_read(
         db_url: str, monkeypatch: pytest.MonkeyPatch, after_done: bytes) -> None:
     keys = await create_tenants(db_url, {"acme": {}})
     backend = TwoReads(after_done=after_done)
     app = make_app(GatewayConfig(demo_tenant=False), database=db_url, backends=[backend])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, port = await _serve(app)
     sends = record_sends(monkeypatch)
     try:
         client, received = await _stream_raw(keys["acme"], port)
@@ -98,5 +102,28 @@ async def test_a_stream_leaves_in_one_send_per_backend_read(
                   if family.name == "fairgate_gateway_requests"
                   for s in family.samples if s.name.endswith("_total")}
         assert served == {"200": 1.0}
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_embedded_engines_stream_leaves_in_one_send_per_token(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine in the gateway's process: the headers and the role chunk go with the first
+    token, the last token with the usage, [DONE] and the body's end."""
+    keys = await create_tenants(db_url, {"acme": {}})
+    app = make_app(GatewayConfig(demo_tenant=False), engine=SIM_ENGINE, database=db_url)
+    runner, port = await _serve(app)
+    try:
+        await _stream_raw(keys["acme"], port, "random:tiny")  # the engine warm
+        sends = record_sends(monkeypatch)
+        client, received = await _stream_raw(keys["acme"], port, "random:tiny",
+                                             stream_options={"include_usage": True})
+        to_client = sends[client]
+        assert len(to_client) == 3, to_client  # max_tokens 3
+        assert b'"role":"assistant"' in to_client[0] and to_client[0].count(b"data: ") == 2
+        assert to_client[1].count(b"data: ") == 1
+        assert b'"finish_reason":"length"' in to_client[2] and b'"usage":{' in to_client[2]
+        assert to_client[2].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert b"".join(to_client) == received
     finally:
         await runner.cleanup()
