@@ -37,6 +37,8 @@ class SSEResponse(web.StreamResponse):
 
     def __init__(self) -> None:
         super().__init__(headers=SSE_HEADERS)
+
+
 _KEPT_HEADERS = ("Allow", "Retry-After")
 
 

@@ -197,6 +197,18 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
 
+async def post_raw(port: int, path: str, key: str, body: dict[str, Any]) -> tuple[
+        asyncio.StreamReader, asyncio.StreamWriter]:
+    """`body` POSTed to `path` on a raw socket (no client library between the test and the
+    bytes): the connection, for the test to read the answer as it likes and close."""
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {key}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+                 .encode() + data)
+    return reader, writer
+
+
 def sse_events(raw: bytes) -> list[dict[str, Any]]:
     """The JSON events of a whole streamed answer ([DONE] and comments left out)."""
     return [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]

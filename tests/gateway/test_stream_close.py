@@ -4,7 +4,6 @@ the metrics and the SLO counts record it as 200, not as a client that went away 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
@@ -16,7 +15,7 @@ from gateway.app import make_app
 from gateway.backends import Job, Outcome
 from gateway.config import GatewayConfig
 from gateway.state import GATEWAY
-from tests.gateway.helpers import ControlledBackend, create_tenants
+from tests.gateway.helpers import ControlledBackend, create_tenants, post_raw
 from tests.support.waiting import wait_for
 
 
@@ -35,13 +34,8 @@ class EndsAfterDone(ControlledBackend):
 
 async def _read_to_done(key: str, port: int) -> bytes:
     """Send a streamed completion on a raw socket, read to `[DONE]`, close at once."""
-    body = json.dumps({"model": "test-model", "prompt": "hi", "max_tokens": 3,
-                       "stream": True}).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\n"
-                 b"Authorization: Bearer " + key.encode() + b"\r\n"
-                 b"Content-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    reader, writer = await post_raw(port, "/v1/completions", key, {
+        "model": "test-model", "prompt": "hi", "max_tokens": 3, "stream": True})
     received = b""
     async with asyncio.timeout(30):
         while b"data: [DONE]\n\n" not in received:

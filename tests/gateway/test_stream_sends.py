@@ -6,7 +6,6 @@ reaches the client, and the request is still read to its end and settled as serv
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +17,7 @@ from gateway.app import make_app
 from gateway.backends import Job, Outcome
 from gateway.config import GatewayConfig
 from gateway.state import GATEWAY
-from tests.gateway.helpers import SIM_ENGINE, ControlledBackend, create_tenants
+from tests.gateway.helpers import SIM_ENGINE, ControlledBackend, create_tenants, post_raw
 from tests.support.sends import record_sends
 from tests.support.waiting import wait_for
 
@@ -41,7 +40,6 @@ class TwoReads(ControlledBackend):
             outcome.chunk_times.append(asyncio.get_running_loop().time())
             events.append(writer.chunk(f"t{i}", outcome.finish_reason))
         yield events[0]
-        await asyncio.sleep(0)
         yield b"".join(events[1:]) + b"data: [DONE]\n\n"
         if self.after_done:
             yield self.after_done
@@ -52,13 +50,9 @@ async def _stream_raw(key: str, port: int, model: str = "test-model",
                       **extra: Any) -> tuple[Any, bytes]:
     """A streamed chat request on a raw socket, read to the end of the chunked body: (the
     client socket's own address, everything received)."""
-    body = json.dumps({"model": model, "stream": True, "max_tokens": 3,
-                       "messages": [{"role": "user", "content": "hi"}], **extra}).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
-                 b"Authorization: Bearer " + key.encode() + b"\r\n"
-                 b"Content-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    reader, writer = await post_raw(port, "/v1/chat/completions", key, {
+        "model": model, "stream": True, "max_tokens": 3,
+        "messages": [{"role": "user", "content": "hi"}], **extra})
     received = b""
     async with asyncio.timeout(30):
         while not received.endswith(b"\r\n0\r\n\r\n"):
