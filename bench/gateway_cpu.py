@@ -14,13 +14,17 @@ No proxy built on these two can cost less, so `gateway - floor` is the gateway's
 request (auth, parsing, admission, fair share, metrics, the ledger, the SSE pass-through).
 
     .venv/bin/python bench/gateway_cpu.py [--requests 4000] [--concurrency 16] [--rounds 3]
-                                          [--baseline DIR]
+                                          [--baseline DIR] [--token-interval-ms MS]
 
 `--baseline DIR` runs a second gateway from another checkout (`git worktree add --detach DIR
 REV`) in the same rounds, rotated with the others, and prints this tree's CPU per request over
 its, and the median and middle half of the rounds' own ratios: on a shared machine whose speed
 drifts between runs, a change of a few percent shows only when both run side by side, and only
 where the middle half of the ratios sits clear of 1.
+
+`--token-interval-ms MS` has the mock pause between a stream's token events, so each reaches
+the gateway in a read of its own, as from an engine generating: the gateway's cost per token
+read and written, which the default shape (the whole answer in about one read) leaves out.
 
 Goals (issue 28): the gateway at most 1.6x the mock's CPU per request non-streaming, 1.4x
 streaming. The ratio is taken within one run, so the machine's speed cancels out.
@@ -59,7 +63,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # ---- the mock backend (its own process: `gateway_cpu.py --mock PORT`) ------------------------
-def serve_mock(port: int) -> None:
+def serve_mock(port: int, token_interval_s: float = 0.0) -> None:
     from aiohttp import web
 
     from engine.server import install_fast_event_loop
@@ -87,6 +91,8 @@ def serve_mock(port: int) -> None:
             event = {**chunk, "choices": [{"index": 0, "delta": {"content": " tok"},
                                            "finish_reason": "length" if last else None}]}
             await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            if token_interval_s and not last:  # an engine's pace: one event per read
+                await asyncio.sleep(token_interval_s)
         if (body.get("stream_options") or {}).get("include_usage"):
             event = {**chunk, "choices": [], "usage": usage}
             await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
@@ -219,17 +225,24 @@ def main() -> int:
                         help="each target measured this many times, interleaved (median)")
     parser.add_argument("--baseline", type=Path, metavar="DIR",
                         help="another checkout whose gateway runs beside this one's, rotated")
+    parser.add_argument("--token-interval-ms", type=float, default=0.0, metavar="MS",
+                        help="the mock's pause between a stream's token events (default 0: the "
+                             "whole answer at once, read by the gateway in about one read; "
+                             "1 or more: one event per read, as from an engine generating)")
     parser.add_argument("--mock", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.token_interval_ms < 0:
+        parser.error("--token-interval-ms must be >= 0")
     if args.mock is not None:
-        serve_mock(args.mock)
+        serve_mock(args.mock, args.token_interval_ms / 1000)
         return 0
     if args.baseline is not None and not (args.baseline / "fairgate" / "__main__.py").is_file():
         parser.error(f"--baseline {args.baseline}: not a fairgate checkout (no "
                      f"fairgate/__main__.py); make one with `git worktree add --detach DIR REV`")
     mock_port = free_port()
     mock_url = f"http://127.0.0.1:{mock_port}"
-    mock = subprocess.Popen([PYTHON, str(Path(__file__).resolve()), "--mock", str(mock_port)],
+    mock = subprocess.Popen([PYTHON, str(Path(__file__).resolve()), "--mock", str(mock_port),
+                             "--token-interval-ms", str(args.token_interval_ms)],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     floor_port = free_port()
     floor_url = f"http://127.0.0.1:{floor_port}"
