@@ -231,8 +231,8 @@ def main() -> int:
                              "1 or more: one event per read, as from an engine generating)")
     parser.add_argument("--mock", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.token_interval_ms < 0:
-        parser.error("--token-interval-ms must be >= 0")
+    if not 0 <= args.token_interval_ms < 1000:
+        parser.error("--token-interval-ms must be at least 0 and below 1000")
     if args.mock is not None:
         serve_mock(args.mock, args.token_interval_ms / 1000)
         return 0
