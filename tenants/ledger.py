@@ -234,17 +234,16 @@ MINUTE_COUNTS = ("requests", "ok", "rejected", "failed", "prompt_tokens", "compl
                  "itl_gaps", "itl_gaps_met")
 
 
-def minute_rollups(rows: Iterable[Row], unit: int = 60, column: str = "minute") -> list[Row]:
-    """Normalised usage rows summed per tenant and minute (what fg_usage_minutes adds), or per
-    `unit` seconds into `column` (fg_usage_hours: 3600, "hour")."""
+def minute_rollups(rows: Iterable[Row]) -> list[Row]:
+    """Normalised usage rows summed per tenant and minute (what fg_usage_minutes adds)."""
     sums: dict[tuple[str, int], Row] = {}
     for r in rows:
         # a finish time absurd enough to overflow the column is kept in the row as it came,
         # and counted at the edge of the rollups' range
-        key = (r["tenant"], min(max(int(r["finished_at"] // unit), 0), _MAX_MINUTE))
+        key = (r["tenant"], min(max(int(r["finished_at"] // 60), 0), _MAX_MINUTE))
         m = sums.get(key)
         if m is None:
-            m = sums[key] = {"tenant": key[0], column: key[1],
+            m = sums[key] = {"tenant": key[0], "minute": key[1],
                              **dict.fromkeys(MINUTE_COUNTS, 0)}
         status = r["status"]
         m["requests"] += 1
@@ -267,6 +266,22 @@ def minute_rollups(rows: Iterable[Row], unit: int = 60, column: str = "minute") 
         if gaps is not None and met is not None:
             m["itl_gaps"] += gaps
             m["itl_gaps_met"] += min(met, gaps)  # normalise_row bounds each alone
+    return list(sums.values())
+
+
+def hour_rollups(minutes: Iterable[Row]) -> list[Row]:
+    """Minute rollups summed per tenant and hour (what fg_usage_hours adds): a flush's few
+    minutes rather than its rows once more. A minute's hour is `minute // 60`, the hour of its
+    rows' finish times; a row beyond the minutes' range counts in the hour of the last minute,
+    as it counts in that minute."""
+    sums: dict[tuple[str, int], Row] = {}
+    for m in minutes:
+        key = (m["tenant"], m["minute"] // 60)
+        h = sums.get(key)
+        if h is None:
+            h = sums[key] = {"tenant": key[0], "hour": key[1], **dict.fromkeys(MINUTE_COUNTS, 0)}
+        for name in MINUTE_COUNTS:
+            h[name] += m[name]
     return list(sums.values())
 
 
@@ -528,8 +543,9 @@ class UsageLedger:
     async def _write(self, rows: list[Row]) -> None:
         """The rows and their minute rollups, in one transaction: the dashboard's long views
         (rollups) and its short ones (rows) never disagree."""
-        rollups = ((UsageMinuteRow, "minute", minute_rollups(rows)),
-                   (UsageHourRow, "hour", minute_rollups(rows, 3600, "hour")))
+        minutes = minute_rollups(rows)
+        rollups = ((UsageMinuteRow, "minute", minutes),
+                   (UsageHourRow, "hour", hour_rollups(minutes)))
         dialect = "postgresql" if self.store.db.is_postgres else "sqlite"
 
         statement = self._insert_statement()

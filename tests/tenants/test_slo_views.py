@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from sqlalchemy import func, select
 
 from tenants import TenantStore, UsageEvent, UsageLedger
-from tenants.models import UsageMinuteRow, UsageRow
+from tenants.ledger import MINUTE_COUNTS
+from tenants.models import UsageHourRow, UsageMinuteRow, UsageRow
 from tenants.slo_views import hour_p99s, period_counts, tenant_series
 
 NOW = 1_796_000_000.0  # a fixed clock: minute boundaries are the test's to choose
@@ -116,3 +117,58 @@ async def test_rollups_always_equal_the_raw_rows(store: TenantStore,
             "slo_met": sum(e[3] is not False and e[4] is not False for e in checked),
             "itl_gaps": sum(max(e[5]) for e in mine if e[5] is not None),
             "itl_gaps_met": sum(min(e[5]) for e in mine if e[5] is not None)}
+
+
+async def _rollups(store: TenantStore, model: Any, column: str) -> dict[tuple[str, int], dict[str, int]]:
+    async def read(s: Any) -> dict[tuple[str, int], dict[str, int]]:
+        rows = (await s.execute(select(model))).scalars()
+        return {(r.tenant, getattr(r, column)): {k: getattr(r, k) for k in MINUTE_COUNTS}
+                for r in rows}
+
+    return await store.db.run(read, write=False)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 4 * 3600),
+                                   st.sampled_from([200, 429, 503]),
+                                   st.sampled_from([True, False, None])),
+                         min_size=1, max_size=30), min_size=1, max_size=3))
+async def test_the_hours_sum_the_minutes_and_the_raw_rows(store: TenantStore,
+                                                          flushes: list[list[Any]]) -> None:
+    """fg_usage_hours is summed from a flush's minute rollups (not from its rows again): each
+    hour holds what its 60 minutes hold, and the requests that finished in it."""
+    ledger = UsageLedger(store)
+    before_hours = await _rollups(store, UsageHourRow, "hour")
+    before_minutes = await _rollups(store, UsageMinuteRow, "minute")
+    finished: list[tuple[str, int]] = []
+    for events in flushes:  # a flush adds to the hours the earlier ones wrote
+        ledger.record_many([_event(t, NOW - s, status, ok) for t, s, status, ok in events])
+        finished += [(t, int((NOW - s) // 3600)) for t, s, _, _ in events]
+        await ledger.flush()
+
+    def added(now: dict[Any, dict[str, int]], before: dict[Any, dict[str, int]]) -> dict[Any, Any]:
+        zero = dict.fromkeys(MINUTE_COUNTS, 0)
+        return {key: {k: v - before.get(key, zero)[k] for k, v in counts.items()}
+                for key, counts in now.items() if counts != before.get(key)}
+
+    hours = added(await _rollups(store, UsageHourRow, "hour"), before_hours)
+    minutes = added(await _rollups(store, UsageMinuteRow, "minute"), before_minutes)
+    summed: dict[tuple[str, int], dict[str, int]] = {}
+    for (tenant, minute), counts in minutes.items():
+        into = summed.setdefault((tenant, minute // 60), dict.fromkeys(MINUTE_COUNTS, 0))
+        for k, v in counts.items():
+            into[k] += v
+    assert hours == summed
+    assert {key: c["requests"] for key, c in hours.items()} == {
+        key: finished.count(key) for key in set(finished)}
+
+
+async def test_a_finish_beyond_the_minutes_counts_in_the_last_minutes_hour(
+        store: TenantStore) -> None:
+    ledger = UsageLedger(store)
+    ledger.record(_event("far", 1e12))  # minute 1.7e10: past the 32-bit column
+    await ledger.flush()
+    minutes = await _rollups(store, UsageMinuteRow, "minute")
+    hours = await _rollups(store, UsageHourRow, "hour")
+    assert [key for key in minutes if key[0] == "far"] == [("far", 2**31 - 1)]
+    assert [key for key in hours if key[0] == "far"] == [("far", (2**31 - 1) // 60)]
