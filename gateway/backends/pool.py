@@ -208,11 +208,14 @@ class BackendPool:
         return None
 
     def _eligible(self, model: str | None, exclude: Backend | None = None) -> list[Backend]:
-        """Backends that may take a request for `model`: not `exclude`, serving it (one that
-        has not said its model yet serves any), admitting new requests."""
-        return [b for b in self.backends
-                if b is not exclude and (model is None or not b.model_name or b.model_name == model)
-                and self.admits(b)]
+        """Backends that may take a request for `model` (`_may_take`)."""
+        return [b for b in self.backends if self._may_take(b, model, exclude)]
+
+    def _may_take(self, b: Backend, model: str | None, exclude: Backend | None) -> bool:
+        """Not `exclude`, serving `model` (one that has not said its model yet serves any),
+        admitting new requests."""
+        return (b is not exclude and (model is None or not b.model_name or b.model_name == model)
+                and self.admits(b))
 
     def _free(self, b: Backend, keep_headroom: bool) -> bool:
         return b.has_room() and not (keep_headroom and b.inflight >= b.seats() - self.reserved(b))
@@ -260,9 +263,10 @@ class BackendPool:
         """The least loaded backend with room (`model`: among those serving it): the fewest
         outstanding tokens (queued and running work) per seat, then the fewest requests in
         flight for its room."""
+        if len(self.backends) == 1:  # the usual pool of one: no list to build, nothing to compare
+            b = self.backends[0]
+            return b if self._may_take(b, model, exclude) and self._free(b, keep_headroom) else None
         free = [b for b in self._eligible(model, exclude) if self._free(b, keep_headroom)]
-        if len(free) == 1:  # the usual pool of one: nothing to compare
-            return free[0]
         return min(free, key=_load, default=None)
 
     def fallback(self, exclude: Backend, model: str | None) -> Backend | None:
