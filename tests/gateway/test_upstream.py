@@ -15,7 +15,7 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from gateway.upstream import UpstreamError, UpstreamPool
+from gateway.upstream import _HIGH_WATER, UpstreamError, UpstreamPool
 from tests.support.processes import free_port
 from tests.support.waiting import next_loop_turn, wait_for
 
@@ -582,14 +582,32 @@ async def test_large_body_read_slowly_arrives_whole_without_unbounded_buffering(
 
 @on_both_loops
 async def test_unread_large_body_does_not_stall_the_reused_connection() -> None:
-    async with RawServer(answer_every(ok(BIG[:300_000]))) as server:
+    """A body whose last read takes the unread bytes past the high-water mark: the reading is
+    paused with the body whole, and the connection, kept, reads again when reused. (The body
+    comes in two writes, the second once the first is buffered: in one, whether a read before
+    the last crossed the mark, leaving the body unfinished, was up to the kernel.)"""
+    body = BIG[:_HIGH_WATER + 1]
+    buffered = asyncio.Event()
+
+    async def handler(peer: Peer) -> None:
+        await peer.request()
+        await peer.send(ok(body)[:-1])  # all but the last byte: up to the mark, not past it
+        await buffered.wait()
+        await peer.send(body[-1:])
+        while await peer.request() is not None:
+            await peer.send(ok(body))
+
+    async with RawServer(handler) as server:
         pool = server.pool()
         resp = await pool.request("GET", "/")
+        await wait_for(lambda: resp._conn.buffered == _HIGH_WATER, timeout=1)
+        buffered.set()
         await wait_for(lambda: resp.ended, timeout=1)  # the whole body arrives, unread
+        assert resp._conn.paused  # its last byte took the unread bytes past the mark
         resp.close()
         assert pool.idle == 1  # it was complete, so it was kept
         async with asyncio.timeout(0.5):
-            assert len(await get(pool)) == 300_000
+            assert await get(pool) == body
 
 
 # ---- a real aiohttp server --------------------------------------------------------------------
