@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import itertools
 import time
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from protocol.stats import percentile
+from protocol.stats import nearest_rank
 from tenants import TenantLimits
 
 PERIOD_S = 60.0
@@ -187,17 +188,22 @@ class RateLimiter:
 
 
 class OutputEstimator:
-    """Recent output lengths per tenant, for cost estimates of requests without max_tokens.
+    """Recent output lengths per tenant, for cost estimates of requests without max_tokens: the
+    `percentile` of each tenant's last `samples` outputs.
 
     Kept in memory (the hot path must not query the database); seeded from the usage ledger the
     first time a tenant is seen, so a restart does not forget what a tenant usually asks for.
+    Each tenant's window is also kept in order, updated as it slides (an insort and a removal
+    by bisection), so the estimate is the window's exact percentile after every request, for a
+    lookup. (It was a sort of the window every 16 requests, 67 µs for 1,000 varied lengths, and
+    never again once the window was full: its length stayed at 1,000, not a multiple of 16.)
     """
 
     def __init__(self, samples: int = 1000, percentile: float = 90.0) -> None:
         self.samples = samples
         self.percentile = percentile
-        self._recent: dict[str, deque[int]] = {}
-        self._cached: dict[str, int] = {}
+        self._recent: dict[str, deque[int]] = {}  # arrival order: the oldest leaves first
+        self._ordered: dict[str, list[int]] = {}  # the same lengths, ascending
         self._seeded: set[str] = set()
 
     def needs_seed(self, tenant: str) -> bool:
@@ -206,18 +212,25 @@ class OutputEstimator:
     def seed(self, tenant: str, value: float | None) -> None:
         self._seeded.add(tenant)
         if value is not None and tenant not in self._recent:
-            self._recent[tenant] = deque([round(value)], maxlen=self.samples)
-            self._cached[tenant] = round(value)
+            self._recent[tenant] = deque([round(value)])
+            self._ordered[tenant] = [round(value)]
 
     def observe(self, tenant: str, output_tokens: int) -> None:
-        recent = self._recent.setdefault(tenant, deque(maxlen=self.samples))
+        recent = self._recent.get(tenant)
+        if recent is None:
+            recent = self._recent[tenant] = deque()
+            self._ordered[tenant] = []
+        ordered = self._ordered[tenant]
+        if len(recent) >= self.samples:
+            del ordered[bisect_left(ordered, recent.popleft())]
         recent.append(output_tokens)
-        # Re-sort only now and then: a p90 that lags by a few requests is as good an estimate.
-        if len(recent) < 32 or len(recent) % 16 == 0:
-            self._cached[tenant] = int(percentile(recent, self.percentile))
+        insort(ordered, output_tokens)
 
     def estimate(self, tenant: str) -> int | None:
-        return self._cached.get(tenant)
+        ordered = self._ordered.get(tenant)
+        if not ordered:
+            return None
+        return ordered[nearest_rank(len(ordered), self.percentile) - 1]
 
 
 @dataclass(frozen=True)

@@ -209,13 +209,16 @@ class Run:
         self.refused: Counter[str] = Counter()
 
 
-@given(st.lists(st.integers(0, 4000), min_size=1, max_size=100))
-def test_admission_estimates_the_p90_output_length_by_the_same_rule(lengths: list[int]) -> None:
-    estimator = OutputEstimator(samples=1000, percentile=90)
-    for n in lengths:
+@given(st.lists(st.integers(0, 4000), min_size=45, max_size=120),  # past every window below
+       st.sampled_from([1, 2, 5, 17, 33, 40]), st.sampled_from([50, 90, 99]))
+def test_admission_estimates_the_output_length_by_the_same_rule(lengths: list[int], samples: int,
+                                                                q: int) -> None:
+    """After every request, the percentile of the tenant's last `samples` lengths, as
+    protocol.stats computes it (the window slides: the oldest leaves first)."""
+    estimator = OutputEstimator(samples=samples, percentile=q)
+    for i, n in enumerate(lengths):
         estimator.observe("t", n)
-    if len(lengths) < 32 or len(lengths) % 16 == 0:  # it re-ranks now and then
-        assert estimator.estimate("t") == percentile(lengths, 90)
+        assert estimator.estimate("t") == percentile(lengths[:i + 1][-samples:], q)
 
 
 def test_the_share_difference_interval_is_the_bootstrap_of_the_shares() -> None:
