@@ -193,9 +193,9 @@ class OutputEstimator:
 
     Kept in memory (the hot path must not query the database); seeded from the usage ledger the
     first time a tenant is seen, so a restart does not forget what a tenant usually asks for.
-    Each tenant's window is also kept in order, updated as it slides (an insort and a removal
-    by bisection), so the estimate is the window's exact percentile after every request, for a
-    lookup. (It was a sort of the window every 16 requests, 67 µs for 1,000 varied lengths, and
+    Each tenant's window is also kept in order as it slides (an insort; the oldest removed by
+    bisection), so the estimate, read at its rank, is the window's exact percentile after every
+    request. (It was a sort of the window every 16 requests, 67 µs for 1,000 varied lengths, and
     never again once the window was full: its length stayed at 1,000, not a multiple of 16.)
     """
 

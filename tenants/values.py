@@ -1,8 +1,8 @@
 """Plain values the rest of fairgate sees: tenants, limits, keys, usage events.
 
 These are frozen dataclasses validated in `__post_init__`, never ORM rows, so callers can cache
-and share them freely (`UsageEvent`, a record of one request, excepted: see there). Every validation error is a `TenantError` (a `ValueError`) whose message a
-user can act on.
+and share them freely (`UsageEvent`, a record of one request, excepted: see there). Every
+validation error is a `TenantError` (a `ValueError`) whose message a user can act on.
 """
 
 from __future__ import annotations
@@ -294,9 +294,9 @@ class UsageEvent:
     """One finished (or rejected) request, as the gateway reports it. Times in seconds.
 
     Not frozen, unlike the values above: the gateway builds one per request, and a frozen
-    dataclass's `__init__` (a call per field) took 4x as long (5.1 against 1.3 µs, bench/RESULTS.md,
-    issue 28). `UsageLedger.record` copies it into its own row, so a change after that is not
-    recorded."""
+    dataclass's `__init__` (a call per field) took 4.5x as long (3.0 against 0.67 µs;
+    bench/RESULTS.md, issue 28). `UsageLedger.record` copies it into its own row, so a change
+    after that is not recorded."""
 
     tenant: str
     key_id: str | None

@@ -119,8 +119,11 @@ async def test_rollups_always_equal_the_raw_rows(store: TenantStore,
             "itl_gaps_met": sum(min(e[5]) for e in mine if e[5] is not None)}
 
 
-async def _rollups(store: TenantStore, model: Any, column: str) -> dict[tuple[str, int], dict[str, int]]:
-    async def read(s: Any) -> dict[tuple[str, int], dict[str, int]]:
+Counts = dict[tuple[str, int], dict[str, int]]  # (tenant, minute or hour) -> its counts
+
+
+async def _rollups(store: TenantStore, model: Any, column: str) -> Counts:
+    async def read(s: Any) -> Counts:
         rows = (await s.execute(select(model))).scalars()
         return {(r.tenant, getattr(r, column)): {k: getattr(r, k) for k in MINUTE_COUNTS}
                 for r in rows}
@@ -146,14 +149,14 @@ async def test_the_hours_sum_the_minutes_and_the_raw_rows(store: TenantStore,
         finished += [(t, int((NOW - s) // 3600)) for t, s, _, _ in events]
         await ledger.flush()
 
-    def added(now: dict[Any, dict[str, int]], before: dict[Any, dict[str, int]]) -> dict[Any, Any]:
+    def added(now: Counts, before: Counts) -> Counts:
         zero = dict.fromkeys(MINUTE_COUNTS, 0)
         return {key: {k: v - before.get(key, zero)[k] for k, v in counts.items()}
                 for key, counts in now.items() if counts != before.get(key)}
 
     hours = added(await _rollups(store, UsageHourRow, "hour"), before_hours)
     minutes = added(await _rollups(store, UsageMinuteRow, "minute"), before_minutes)
-    summed: dict[tuple[str, int], dict[str, int]] = {}
+    summed: Counts = {}
     for (tenant, minute), counts in minutes.items():
         into = summed.setdefault((tenant, minute // 60), dict.fromkeys(MINUTE_COUNTS, 0))
         for k, v in counts.items():
