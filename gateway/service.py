@@ -235,7 +235,7 @@ class Gateway:
             raise ApiError(404, f"The model {req.model!r} does not exist; this gateway serves: "
                            f"{', '.join(names) or 'none yet'}", code="model_not_found",
                            param="model")
-        if not any(self.pool.available(b) for b in self.pool.serves(req.model)):
+        if not self.pool.serving_now(req.model):
             serving = ", ".join(b.name for b in self.pool.serves(req.model))
             raise ApiError(503, f"the model {req.model!r} is served by {serving}, none of them "
                            "reachable (or all ejected for failing) now; try again shortly",

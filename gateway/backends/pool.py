@@ -59,6 +59,11 @@ class PrefixHomes:
         return len(self._homes)
 
 
+def _serves(b: Backend, model: str) -> bool:
+    """`b` serves `model` (one that has not said its model yet serves any)."""
+    return not b.model_name or b.model_name == model
+
+
 def _load(b: Backend) -> tuple[float, float]:
     return b.outstanding_tokens() / max(1, b.seats()), b.inflight / max(1, b.capacity())
 
@@ -180,7 +185,20 @@ class BackendPool:
 
     @property
     def healthy(self) -> bool:
-        return any(b.healthy for b in self.backends)
+        # Asked on every request: a loop costs 0.08 µs for a pool of one, any() over a
+        # generator 0.46 (it makes one).
+        for b in self.backends:  # noqa: SIM110
+            if b.healthy:
+                return True
+        return False
+
+    def serving_now(self, model: str) -> bool:
+        """Whether a backend that serves `model` can serve now (`available`); a loop, as
+        `healthy` is."""
+        for b in self.backends:  # noqa: SIM110
+            if _serves(b, model) and self.available(b):
+                return True
+        return False
 
     @property
     def max_model_len(self) -> int:
@@ -214,8 +232,7 @@ class BackendPool:
     def _may_take(self, b: Backend, model: str | None, exclude: Backend | None) -> bool:
         """Not `exclude`, serving `model` (one that has not said its model yet serves any),
         admitting new requests."""
-        return (b is not exclude and (model is None or not b.model_name or b.model_name == model)
-                and self.admits(b))
+        return (b is not exclude and (model is None or _serves(b, model)) and self.admits(b))
 
     def _free(self, b: Backend, keep_headroom: bool) -> bool:
         return b.has_room() and not (keep_headroom and b.inflight >= b.seats() - self.reserved(b))
@@ -247,7 +264,7 @@ class BackendPool:
 
     def serves(self, model: str) -> list[Backend]:
         """The backends that serve `model` (one that has not said its model yet serves any)."""
-        return [b for b in self.backends if not b.model_name or b.model_name == model]
+        return [b for b in self.backends if _serves(b, model)]
 
     def capacity(self) -> int:
         """Room of the backends that take work (seats and slack): what shares are shares of."""
