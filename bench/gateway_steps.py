@@ -18,9 +18,10 @@ the slowest few).
 
 `--baseline DIR` runs the same steps from another checkout (`git worktree add --detach DIR
 REV`), each round both trees one after the other in a rotated order, and prints this tree's
-figures over the baseline's: per step, the median of the rounds' own ratios. Steps that did not
-change keep their ratio near 1 and show the machine's drift; a run on this project's shared VM
-moves 20-50% between runs, so only ratios within a round compare.
+figures over the baseline's: per step, the median of the rounds' own ratios. On this project's
+shared VM a run's figures move 20-50% from run to run, and a whole run can lean 5-8% towards
+one tree, every step alike: read a changed step's ratio against those of the steps the change
+did not touch in the same run (auth and parse, most often), not against 1.
 """
 
 from __future__ import annotations
