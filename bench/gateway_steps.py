@@ -79,7 +79,10 @@ async def measure(mock_url: str, requests: int, workdir: str,
     await runner.setup()
     try:
         gw, auth = app[GATEWAY], app[AUTH]
+        deadline = time.monotonic() + 30.0
         while not gw.pool.healthy:  # its first look at the backend
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the gateway did not see its backend {mock_url} healthy in 30 s")
             await asyncio.sleep(0.05)
         http = make_mocked_request("POST", "/v1/chat/completions", app=app,
                                    headers={"Authorization": f"Bearer {keys[0]}"})
