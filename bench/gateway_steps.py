@@ -43,33 +43,26 @@ WORKER = "--worker" in sys.argv
 sys.path.insert(0, os.environ["TREE"] if WORKER else str(Path(__file__).resolve().parent.parent))
 
 STEPS = ("auth", "parse", "admit", "wait", "outcome", "settle")
-TOKENS = 16  # token events of a streamed answer
+MODES = ("streaming", "non-streaming")
 
 
 # ---- the worker: one tree's gateway, in this process ------------------------------------------
-def request_body(stream: bool) -> bytes:
-    return json.dumps({"model": "mock-model", "stream": stream, "max_tokens": TOKENS,
-                       "messages": [{"role": "system", "content": "You are a helpful assistant."},
-                                    {"role": "user", "content": "Say something about the "
-                                     "weather in a few words."}]}).encode()
-
-
-async def measure(mock_url: str, requests: int, workdir: str,
-                  stream_first: bool) -> dict[str, dict[str, float]]:
-    """Per mode ("streaming", "non-streaming"): each step's µs per request."""
+async def measure(job: dict[str, Any], workdir: str) -> dict[str, dict[str, float]]:
+    """Per mode: each step's µs per request. `job` (the driver's, on stdin): the mock's URL,
+    the requests per mode, the modes in the order to measure them, each mode's request body
+    (`bench/gateway_cpu.py`'s) and the answer's tokens."""
     from aiohttp import web
     from aiohttp.test_utils import make_mocked_request
 
     from control.app import make_app
     from fairgate.config import FairgateConfig
     from gateway.state import AUTH, GATEWAY
-    from protocol.openai import parse_json_body, parse_request
 
     config_path = Path(workdir, "fairgate.yaml")
     config_path.write_text(json.dumps({  # JSON is YAML
         "database": f"sqlite:///{workdir}/gateway.db",
         "gateway": {"demo_tenant": True, "dispatch": "fair", "usage_spill_dir": workdir,
-                    "backends": [{"url": mock_url, "kind": "openai", "max_inflight": 512,
+                    "backends": [{"url": job["mock_url"], "kind": "openai", "max_inflight": 512,
                                   "max_model_len": 4096}]}}))
     config = FairgateConfig.load(config_path, os.environ)
     keys: list[str] = []
@@ -82,20 +75,23 @@ async def measure(mock_url: str, requests: int, workdir: str,
         deadline = time.monotonic() + 30.0
         while not gw.pool.healthy:  # its first look at the backend
             if time.monotonic() > deadline:
-                raise SystemExit(f"the gateway did not see its backend {mock_url} healthy in 30 s")
+                raise SystemExit(f"the gateway did not see its backend {job['mock_url']} "
+                                 "healthy in 30 s")
             await asyncio.sleep(0.05)
         http = make_mocked_request("POST", "/v1/chat/completions", app=app,
                                    headers={"Authorization": f"Bearer {keys[0]}"})
-        return {("streaming" if stream else "non-streaming"):
-                await _steps(gw, auth, http, request_body(stream), stream, requests,
-                             parse_json_body, parse_request)
-                for stream in ((True, False) if stream_first else (False, True))}
+        return {mode: await _steps(gw, auth, http, job["bodies"][mode].encode(),
+                                   mode == "streaming", job["tokens"], job["requests"])
+                for mode in job["modes"]}
     finally:
         await runner.cleanup()
 
 
-async def _steps(gw: Any, auth: Any, http: Any, body: bytes, stream: bool, requests: int,
-                 parse_json_body: Any, parse_request: Any) -> dict[str, float]:
+async def _steps(gw: Any, auth: Any, http: Any, body: bytes, stream: bool, tokens: int,
+                 requests: int) -> dict[str, float]:
+    """`tokens`: the answer's; a stream's each in an event of its own."""
+    from protocol.openai import parse_json_body, parse_request
+
     clock = time.perf_counter
     times: dict[str, list[float]] = {step: [] for step in STEPS}
     for i in range(requests):
@@ -111,9 +107,9 @@ async def _steps(gw: Any, auth: Any, http: Any, body: bytes, stream: bool, reque
         t4 = clock()
         out = adm.outcome
         if stream:
-            out.chunk_times.extend([clock()] * TOKENS)
+            out.chunk_times.extend([clock()] * tokens)
             adm.streamed()
-        out.completion_tokens, out.usage_reported, out.finish_reason = TOKENS, True, "length"
+        out.completion_tokens, out.usage_reported, out.finish_reason = tokens, True, "length"
         t5 = clock()
         adm.settle(200)
         t6 = clock()
@@ -127,22 +123,21 @@ async def _steps(gw: Any, auth: Any, http: Any, body: bytes, stream: bool, reque
             for step, values in times.items()}
 
 
-def worker(mock_url: str, requests: int, stream_first: bool) -> None:
+def worker() -> None:
     import uvloop
 
+    job = json.loads(sys.stdin.read())
     with tempfile.TemporaryDirectory() as workdir:
-        print(json.dumps(uvloop.run(measure(mock_url, requests, workdir, stream_first))))
+        print(json.dumps(uvloop.run(measure(job, workdir))))
 
 
 # ---- the driver -------------------------------------------------------------------------------
-def run_worker(tree: Path, mock_url: str, requests: int,
-               stream_first: bool) -> dict[str, dict[str, float]]:
+def run_worker(tree: Path, job: dict[str, Any]) -> dict[str, dict[str, float]]:
     """One tree's steps in a process of their own. Both trees' processes get the same hash
     seed: the seed lays out every dict and set, and moved an A/A comparison by 10%."""
     from bench.common import PYTHON
 
-    done = subprocess.run([PYTHON, __file__, "--worker", mock_url, str(requests),
-                           "stream-first" if stream_first else "whole-first"], cwd=tree,
+    done = subprocess.run([PYTHON, __file__, "--worker"], cwd=tree, input=json.dumps(job),
                           env={**os.environ, "TREE": str(tree), "PYTHONHASHSEED": "0"},
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -157,6 +152,7 @@ def show(label: str, figures: dict[str, float]) -> str:
 
 def main() -> int:
     from bench.common import PYTHON, ROOT, free_port, machine, rotated, stop, wait_healthy
+    from bench.gateway_cpu import CHUNKS, request_body
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=5000, help="per round, tree and mode")
@@ -181,14 +177,18 @@ def main() -> int:
               f"µs per request, each step; {machine()}")
         rounds: list[dict[str, dict[str, dict[str, float]]]] = []
         for r in range(args.rounds):
-            # the mode measured first (the process's first requests) alternates too
-            measured = {label: run_worker(trees[label], mock_url, args.requests, r % 2 == 0)
+            job = {"mock_url": mock_url, "requests": args.requests, "tokens": CHUNKS,
+                   # the mode measured first (the process's first requests) alternates too
+                   "modes": MODES if r % 2 == 0 else MODES[::-1],
+                   "bodies": {mode: request_body(mode == "streaming").decode()
+                              for mode in MODES}}
+            measured = {label: run_worker(trees[label], job)
                         for label in rotated(list(trees), r)}
             rounds.append(measured)
             for label in trees:
                 print(f"round {r + 1} {label}: " + ", ".join(
                     f"{mode} {sum(f.values()):.1f}" for mode, f in measured[label].items()))
-        for mode in ("streaming", "non-streaming"):
+        for mode in MODES:
             print(f"\n== {mode}: the median of the rounds ==")
             for label in trees:
                 print(show(label, {step: statistics.median(r[label][mode][step] for r in rounds)
@@ -208,7 +208,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     if WORKER:
-        at = sys.argv.index("--worker")
-        worker(sys.argv[at + 1], int(sys.argv[at + 2]), sys.argv[at + 3] == "stream-first")
+        worker()
         sys.exit(0)
     sys.exit(main())
