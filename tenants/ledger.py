@@ -36,6 +36,7 @@ import math
 import numbers
 import os
 import re
+import sqlite3
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -72,7 +73,7 @@ log = logging.getLogger(__name__)
 
 Row = dict[str, Any]
 
-_INSERT_CHUNK = 2_000
+_INSERT_CHUNK = 2_048  # rows a statement (PostgreSQL) or SQLite's blocks (RowInsert) take
 _MAX_MINUTE = 2**31 - 1
 PRUNE_EVERY_S = 3600.0  # fg_usage_minutes.minute is a 32-bit integer
 _SHUTDOWN_BACKOFF = Backoff(first_s=0.1, max_s=2.0)  # a flush at shutdown, until its timeout
@@ -301,10 +302,19 @@ def _upsert_rollups(dialect: str, model: Any, column: str) -> Any:
 
 
 class RowInsert:
-    """The INSERT of usage rows, compiled once for a database: a batch is one executemany of
-    tuples in column order, each value through its type's bind processor as SQLAlchemy would
-    (no statement compiled and no parameter dict built per row, as an ORM bulk insert does).
-    A driver that takes named parameters gets SQLAlchemy's Core executemany instead."""
+    """The INSERT of usage rows, compiled once for a database: each value through its type's
+    bind processor as SQLAlchemy would (no statement compiled and no parameter dict built per
+    row, as an ORM bulk insert does).
+
+    On SQLite the rows go as multi-row `INSERT ... VALUES (...), (...), ...` statements of up
+    to `_BLOCK_ROWS` rows (`block_sizes`), not as an executemany of a one-row statement. Python's
+    sqlite3 lets go of the GIL around every statement step, and SQLite's thread must then take it
+    back from the event loop's, which under load holds it but for moments: an executemany waits
+    for it once per row. A saturated gateway's flush of a few thousand rows took seconds that
+    way, and a usage query, which waits for a flush, answered in 1.7 s at the median, up to
+    3.3 s, once past its 5 s timeout (a 503); in blocks, in 0.3 s (bench/usage_under_load.py;
+    bench/RESULTS.md, issue 28). The blocks are powers of two, so a connection's statement cache holds them all.
+    PostgreSQL (asyncpg) gets one executemany of tuples; a driver that takes named parameters, SQLAlchemy's Core executemany."""
 
     def __init__(self, dialect: Dialect) -> None:
         table = self.table = cast(Table, UsageRow.__table__)
@@ -314,6 +324,10 @@ class RowInsert:
         self.sql: str | None = compiled.string if positional else None
         processors = [table.c[name].type.bind_processor(dialect) for name in self.names]
         self.converted = [(i, p) for i, p in enumerate(processors) if p is not None]
+        # "INSERT INTO fg_usage (tenant, ...) VALUES (?, ...)": its head, and its group of one row
+        head, _, group = (self.sql or "").partition(" VALUES ")
+        self.blocks = dialect.name == "sqlite" and dialect.paramstyle == "qmark" and bool(group)
+        self._head, self._group = head + " VALUES ", group
 
     def values(self, row: Row) -> tuple[Any, ...]:
         values = [row[name] for name in self.names]
@@ -322,11 +336,34 @@ class RowInsert:
                 values[i] = process(values[i])
         return tuple(values)
 
+    def block_sql(self, rows: int) -> str:
+        return self._head + ", ".join([self._group] * rows)
+
     async def run(self, connection: AsyncConnection, rows: list[Row]) -> None:
         if self.sql is None:
             await connection.execute(insert(self.table), rows)
-        else:
+        elif not self.blocks:
             await connection.exec_driver_sql(self.sql, [self.values(row) for row in rows])
+        else:
+            flat = [value for row in rows for value in self.values(row)]
+            width, at = len(self.names), 0
+            for size in block_sizes(len(rows)):
+                end = at + size * width
+                await connection.exec_driver_sql(self.block_sql(size), tuple(flat[at:end]))
+                at = end
+
+
+# SQLite takes at least 999 parameters a statement (32,766 since 3.32): 32 rows of fg_usage's
+# 19 columns fit the older limit, 256 rows the newer one.
+_BLOCK_ROWS = 256 if sqlite3.sqlite_version_info >= (3, 32, 0) else 32
+
+
+def block_sizes(rows: int) -> list[int]:
+    """How `rows` rows split into SQLite insert blocks: as many of `_BLOCK_ROWS` as fit, then
+    the rest as the powers of two that add up to it, largest first (257 rows: 256 and 1)."""
+    full, rest = divmod(rows, _BLOCK_ROWS)
+    return [_BLOCK_ROWS] * full + [1 << bit for bit in reversed(range(rest.bit_length()))
+                                   if rest >> bit & 1]
 
 
 # -- telling a refused row from an unreachable database -----------------------------------------

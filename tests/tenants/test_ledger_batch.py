@@ -1,15 +1,24 @@
-"""The ledger's batch insert (RowInsert: one executemany of tuples, compiled once) stores every
-column of every row as the row was normalised, and as SQLAlchemy's Core insert of dicts does."""
+"""The ledger's batch insert (RowInsert, compiled once: multi-row blocks on SQLite, one
+executemany of tuples on PostgreSQL) stores every column of every row as the row was normalised,
+and as SQLAlchemy's Core insert of dicts does."""
 
 from __future__ import annotations
 
+import dataclasses
+import sqlite3
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from sqlalchemy import event, select
+from sqlalchemy.dialects.sqlite import aiosqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
+import tenants.ledger
 from tenants import TenantStore, UsageEvent, UsageLedger
-from tenants.ledger import RowInsert, _event_row, normalise_row
+from tenants.ledger import _BLOCK_ROWS, RowInsert, _event_row, block_sizes, normalise_row
 from tenants.models import UsageRow
 
 
@@ -60,4 +69,73 @@ async def test_batch_matches_sqlalchemy_core_insert(store: TenantStore) -> None:
     await ledger.flush()
     both = await stored(store)
     assert both[len(fast):] == fast
+    await ledger.close()
+
+
+@given(st.integers(0, 10_000))
+def test_block_sizes_cover_the_rows_in_few_distinct_statements(rows: int) -> None:
+    sizes = block_sizes(rows)
+    assert sum(sizes) == rows
+    assert all(size & (size - 1) == 0 and 1 <= size <= _BLOCK_ROWS for size in sizes)
+    assert sizes == sorted(sizes, reverse=True)
+    rest = [size for size in sizes if size < _BLOCK_ROWS]
+    assert len(rest) == len(set(rest))  # a power of two at most once: the statements stay few
+
+
+def test_a_block_of_rows_fits_sqlites_parameter_limit() -> None:
+    limit = 32_766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 999  # SQLite's default
+    columns = len(RowInsert(aiosqlite.dialect()).names)
+    assert _BLOCK_ROWS * columns <= limit
+    assert RowInsert(aiosqlite.dialect()).block_sql(3).count("?") == 3 * columns
+
+
+def numbered(rows: int) -> list[UsageEvent]:
+    first = events()[2]
+    return [dataclasses.replace(first, prompt_tokens=i, created_at=1_700_000_000 + i / 7)
+            for i in range(rows)]
+
+
+def inserts_seen(store: TenantStore) -> list[tuple[bool, int]]:
+    """(executemany, rows in the statement) of every INSERT into fg_usage from now on."""
+    seen: list[tuple[bool, int]] = []
+
+    def before(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any,
+               executemany: bool) -> None:
+        if statement.startswith("INSERT INTO fg_usage ("):
+            seen.append((executemany, statement.count("), (") + 1))
+
+    event.listen(store.db.engine.sync_engine, "before_cursor_execute", before)
+    return seen
+
+
+@pytest.mark.parametrize("rows", [1, 3, 255, 256, 257, 600])
+async def test_a_flush_goes_in_blocks_on_sqlite_and_stores_every_row(store: TenantStore,
+                                                                      rows: int) -> None:
+    ledger = UsageLedger(store)
+    batch = numbered(rows)
+    seen = inserts_seen(store)
+    ledger.record_many(batch)
+    assert await ledger.flush() == rows
+    assert await stored(store) == [normalise_row(_event_row(e)) for e in batch]
+    if store.db.is_postgres:  # asyncpg: one executemany of one-row statements
+        assert len(seen) == 1 and seen[0][1] == 1
+    else:  # one multi-row statement per block, none an executemany
+        assert seen == [(False, size) for size in block_sizes(rows)]
+    await ledger.close()
+
+
+async def test_a_refused_row_in_a_block_is_set_aside_alone(store: TenantStore,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    monkeypatch.setattr(tenants.ledger, "normalise_row", dict)  # the rows as the events hold them
+    batch = numbered(300)
+    bad = "a\x00b" if store.db.is_postgres else "a\ud800b"  # a model name the database refuses
+    batch[270] = dataclasses.replace(batch[270], model=bad)
+    ledger = UsageLedger(store, dead_letter_path=tmp_path / "dead.jsonl")
+    ledger.record_many(batch)
+    assert await ledger.flush() == 299
+    assert ledger.dead_lettered == 1 and ledger.pending == 0
+    assert [row["prompt_tokens"] for row in await stored(store)] == [
+        i for i in range(300) if i != 270]
+    assert [d.row["prompt_tokens"] for d in await ledger.dead_letters()] == [270]
     await ledger.close()
