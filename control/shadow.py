@@ -165,8 +165,8 @@ class ShadowMirror:
             return
         self.pending[job.request_id] = Pair(job.tenant, slo)
         self.outstanding += 1
-        # what the live engine gets, for this target (pickled by the writer thread, encoded
-        # as JSON by the worker)
+        # what the live engine gets, for this target (pickled with the rest of the loop turn's
+        # messages by the sender, encoded as JSON by the worker)
         body = engine_body(job, self.config.model or job.req.model or "", stream=True,
                            fairgate=self.config.kind == "fairgate")
         if self.config.model is None and job.req.body.get("model") in ALIASES:
