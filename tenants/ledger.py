@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 
 Row = dict[str, Any]
 
-_INSERT_CHUNK = 2_048  # rows a statement (PostgreSQL) or SQLite's blocks (RowInsert) take
+_INSERT_CHUNK = 2_048  # rows a RowInsert.run takes at once: a whole number of SQLite's blocks
 _MAX_MINUTE = 2**31 - 1
 PRUNE_EVERY_S = 3600.0  # fg_usage_minutes.minute is a 32-bit integer
 _SHUTDOWN_BACKOFF = Backoff(first_s=0.1, max_s=2.0)  # a flush at shutdown, until its timeout
@@ -301,20 +301,34 @@ def _upsert_rollups(dialect: str, model: Any, column: str) -> Any:
         set_={name: table.c[name] + stmt.excluded[name] for name in MINUTE_COUNTS})
 
 
+# SQLite takes at least 999 parameters a statement (32,766 since 3.32): 32 rows of fg_usage's
+# 19 columns fit the older limit, 256 rows the newer one.
+_BLOCK_ROWS = 256 if sqlite3.sqlite_version_info >= (3, 32, 0) else 32
+
+
+def block_sizes(rows: int) -> list[int]:
+    """How `rows` rows split into SQLite insert blocks: as many of `_BLOCK_ROWS` as fit, then
+    the rest as the powers of two that add up to it, largest first (257 rows: 256 and 1)."""
+    full, rest = divmod(rows, _BLOCK_ROWS)
+    return [_BLOCK_ROWS] * full + [1 << bit for bit in reversed(range(rest.bit_length()))
+                                   if rest >> bit & 1]
+
+
 class RowInsert:
     """The INSERT of usage rows, compiled once for a database: each value through its type's
     bind processor as SQLAlchemy would (no statement compiled and no parameter dict built per
     row, as an ORM bulk insert does).
 
     On SQLite the rows go as multi-row `INSERT ... VALUES (...), (...), ...` statements of up
-    to `_BLOCK_ROWS` rows (`block_sizes`), not as an executemany of a one-row statement. Python's
-    sqlite3 lets go of the GIL around every statement step, and SQLite's thread must then take it
-    back from the event loop's, which under load holds it but for moments: an executemany waits
-    for it once per row. A saturated gateway's flush of a few thousand rows took seconds that
-    way, and a usage query, which waits for a flush, answered in 1.7 s at the median, up to
-    3.3 s, once past its 5 s timeout (a 503); in blocks, in 0.3 s (bench/usage_under_load.py;
-    bench/RESULTS.md, issue 28). The blocks are powers of two, so a connection's statement cache holds them all.
-    PostgreSQL (asyncpg) gets one executemany of tuples; a driver that takes named parameters, SQLAlchemy's Core executemany."""
+    to `_BLOCK_ROWS` rows (`block_sizes`), not as an executemany of a one-row statement.
+    Python's sqlite3 lets go of the GIL around every statement step, and SQLite's thread must
+    then take it back from the event loop's, which under load holds it but for moments: an
+    executemany waits for it once per row. A saturated gateway's flush of a few thousand rows
+    took seconds that way, and a usage query, which waits for a flush, answered in 1.7 s at
+    the median, up to 3.3 s, once past its 5 s timeout (a 503); in blocks, in 0.3 s
+    (bench/usage_under_load.py; bench/RESULTS.md, issue 28). The blocks are powers of two, so
+    a connection's statement cache holds them all. PostgreSQL (asyncpg) gets one executemany
+    of tuples; a driver that takes named parameters, SQLAlchemy's Core executemany."""
 
     def __init__(self, dialect: Dialect) -> None:
         table = self.table = cast(Table, UsageRow.__table__)
@@ -351,19 +365,6 @@ class RowInsert:
                 end = at + size * width
                 await connection.exec_driver_sql(self.block_sql(size), tuple(flat[at:end]))
                 at = end
-
-
-# SQLite takes at least 999 parameters a statement (32,766 since 3.32): 32 rows of fg_usage's
-# 19 columns fit the older limit, 256 rows the newer one.
-_BLOCK_ROWS = 256 if sqlite3.sqlite_version_info >= (3, 32, 0) else 32
-
-
-def block_sizes(rows: int) -> list[int]:
-    """How `rows` rows split into SQLite insert blocks: as many of `_BLOCK_ROWS` as fit, then
-    the rest as the powers of two that add up to it, largest first (257 rows: 256 and 1)."""
-    full, rest = divmod(rows, _BLOCK_ROWS)
-    return [_BLOCK_ROWS] * full + [1 << bit for bit in reversed(range(rest.bit_length()))
-                                   if rest >> bit & 1]
 
 
 # -- telling a refused row from an unreachable database -----------------------------------------
