@@ -60,6 +60,7 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnElement
 
 from protocol.retry import Backoff, retry_async
@@ -314,6 +315,40 @@ def block_sizes(rows: int) -> list[int]:
                                    if rest >> bit & 1]
 
 
+class InsertBlocks:
+    """A one-row INSERT compiled for SQLite (`... VALUES (?, ...)`, an `ON CONFLICT` clause
+    after it or not) run as multi-row statements of `block_sizes` rows: one statement step,
+    so one wait for the GIL, a block instead of a row (`RowInsert` says why)."""
+
+    def __init__(self, sql: str) -> None:
+        head, _, rest = sql.partition(" VALUES (")
+        group, _, tail = rest.partition(")")
+        self._head, self._group, self._tail = f"{head} VALUES ", f"({group})", tail
+        self.width = group.count("?")
+
+    @classmethod
+    def of(cls, compiled: SQLCompiler, dialect: Dialect) -> InsertBlocks | None:
+        """Blocks for `compiled`, an INSERT; None unless it is SQLite's, positional, and its
+        values need no bind processor (they go to the driver as they are)."""
+        if dialect.name != "sqlite" or dialect.paramstyle != "qmark" or not compiled.positional:
+            return None
+        table = cast(Table, cast(Any, compiled.statement).table)
+        if any(table.c[name].type.bind_processor(dialect) for name in compiled.positiontup or ()):
+            return None
+        return cls(compiled.string)
+
+    def sql(self, rows: int) -> str:
+        return self._head + ", ".join([self._group] * rows) + self._tail
+
+    async def run(self, connection: AsyncConnection, rows: Sequence[tuple[Any, ...]]) -> None:
+        flat = [value for row in rows for value in row]
+        at = 0
+        for size in block_sizes(len(rows)):
+            end = at + size * self.width
+            await connection.exec_driver_sql(self.sql(size), tuple(flat[at:end]))
+            at = end
+
+
 class RowInsert:
     """The INSERT of usage rows, compiled once for a database: each value through its type's
     bind processor as SQLAlchemy would (no statement compiled and no parameter dict built per
@@ -338,10 +373,8 @@ class RowInsert:
         self.sql: str | None = compiled.string if positional else None
         processors = [table.c[name].type.bind_processor(dialect) for name in self.names]
         self.converted = [(i, p) for i, p in enumerate(processors) if p is not None]
-        # "INSERT INTO fg_usage (tenant, ...) VALUES (?, ...)": its head, and its group of one row
-        head, _, group = (self.sql or "").partition(" VALUES ")
-        self.blocks = dialect.name == "sqlite" and dialect.paramstyle == "qmark" and bool(group)
-        self._head, self._group = head + " VALUES ", group
+        self.blocks = (InsertBlocks(compiled.string) if positional and dialect.name == "sqlite"
+                       and dialect.paramstyle == "qmark" else None)
 
     def values(self, row: Row) -> tuple[Any, ...]:
         values = [row[name] for name in self.names]
@@ -350,21 +383,13 @@ class RowInsert:
                 values[i] = process(values[i])
         return tuple(values)
 
-    def block_sql(self, rows: int) -> str:
-        return self._head + ", ".join([self._group] * rows)
-
     async def run(self, connection: AsyncConnection, rows: list[Row]) -> None:
         if self.sql is None:
             await connection.execute(insert(self.table), rows)
-        elif not self.blocks:
+        elif self.blocks is None:
             await connection.exec_driver_sql(self.sql, [self.values(row) for row in rows])
         else:
-            flat = [value for row in rows for value in self.values(row)]
-            width, at = len(self.names), 0
-            for size in block_sizes(len(rows)):
-                end = at + size * width
-                await connection.exec_driver_sql(self.block_sql(size), tuple(flat[at:end]))
-                at = end
+            await self.blocks.run(connection, [self.values(row) for row in rows])
 
 
 # -- telling a refused row from an unreachable database -----------------------------------------
@@ -492,6 +517,7 @@ class UsageLedger:
         self.retention_s = retention_s  # raw rows older than this are pruned; None: kept
         self._next_prune = 0.0
         self._insert: RowInsert | None = None  # compiled for the database at the first write
+        self._rollup_inserts: dict[Any, tuple[InsertBlocks | None, tuple[str, ...]]] = {}
         self.flushed = 0  # records written so far, for metrics and tests
         self.dead_lettered = 0  # records the database refused, set aside
 
@@ -594,8 +620,14 @@ class UsageLedger:
                 await statement.run(connection, rows[i : i + _INSERT_CHUNK])
             for model, column, sums in rollups:
                 sums.sort(key=lambda m: (m["tenant"], m[column]))  # one lock order for all
-                if sums:
-                    await s.execute(_upsert_rollups(dialect, model, column), sums)
+                if not sums:
+                    continue
+                upsert = _upsert_rollups(dialect, model, column)
+                blocks, names = self._rollup_blocks(upsert)
+                if blocks is None:  # PostgreSQL: one executemany
+                    await s.execute(upsert, sums)
+                else:  # SQLite: a block of tenants and periods a statement, as the rows
+                    await blocks.run(connection, [tuple(m[n] for n in names) for m in sums])
 
         await self.store.db.run(op)
 
@@ -603,6 +635,17 @@ class UsageLedger:
         if self._insert is None:
             self._insert = RowInsert(self.store.db.engine.dialect)
         return self._insert
+
+    def _rollup_blocks(self, upsert: Any) -> tuple[InsertBlocks | None, tuple[str, ...]]:
+        """A rollup upsert's SQLite blocks (None elsewhere) and its columns in their order:
+        compiled once for this database."""
+        found = self._rollup_inserts.get(upsert)
+        if found is None:
+            dialect = self.store.db.engine.dialect
+            compiled = cast(SQLCompiler, upsert.compile(dialect=dialect))
+            found = (InsertBlocks.of(compiled, dialect), tuple(compiled.positiontup or ()))
+            self._rollup_inserts[upsert] = found
+        return found
 
     async def prune(self, before: float) -> int:
         """Delete raw usage rows that finished before `before` (epoch seconds); their minute

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 import tenants.ledger
 from tenants import TenantStore, UsageEvent, UsageLedger
 from tenants.ledger import _BLOCK_ROWS, RowInsert, _event_row, block_sizes, normalise_row
-from tenants.models import UsageRow
+from tenants.models import UsageHourRow, UsageMinuteRow, UsageRow
 
 
 def events() -> list[UsageEvent]:
@@ -86,7 +86,10 @@ def test_a_block_of_rows_fits_sqlites_parameter_limit() -> None:
     limit = 32_766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 999  # SQLite's default
     columns = len(RowInsert(aiosqlite.dialect()).names)
     assert _BLOCK_ROWS * columns <= limit
-    assert RowInsert(aiosqlite.dialect()).block_sql(3).count("?") == 3 * columns
+    for model in (UsageMinuteRow, UsageHourRow):  # the rollups' upserts, in blocks too
+        assert _BLOCK_ROWS * len(model.__table__.columns) <= limit
+    blocks = RowInsert(aiosqlite.dialect()).blocks
+    assert blocks is not None and blocks.sql(3).count("?") == 3 * columns
 
 
 def numbered(rows: int) -> list[UsageEvent]:
@@ -95,13 +98,13 @@ def numbered(rows: int) -> list[UsageEvent]:
             for i in range(rows)]
 
 
-def inserts_seen(store: TenantStore) -> list[tuple[bool, int]]:
-    """(executemany, rows in the statement) of every INSERT into fg_usage from now on."""
+def inserts_seen(store: TenantStore, table: str = "fg_usage") -> list[tuple[bool, int]]:
+    """(executemany, rows in the statement) of every INSERT into `table` from now on."""
     seen: list[tuple[bool, int]] = []
 
     def before(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any,
                executemany: bool) -> None:
-        if statement.startswith("INSERT INTO fg_usage ("):
+        if statement.startswith(f"INSERT INTO {table} ("):
             seen.append((executemany, statement.count("), (") + 1))
 
     event.listen(store.db.engine.sync_engine, "before_cursor_execute", before)
@@ -138,4 +141,28 @@ async def test_a_refused_row_in_a_block_is_set_aside_alone(store: TenantStore,
     assert [row["prompt_tokens"] for row in await stored(store)] == [
         i for i in range(300) if i != 270]
     assert [d.row["prompt_tokens"] for d in await ledger.dead_letters()] == [270]
+    await ledger.close()
+
+
+async def test_rollups_go_in_blocks_on_sqlite_and_add_up(store: TenantStore) -> None:
+    """A flush's rollups, one per tenant and period: many tenants' in blocks on SQLite, and a
+    second flush of the same minute adds to what the first wrote (the upsert's update)."""
+    tenants = [f"tenant-{i:03d}" for i in range(300)]
+    batch = [dataclasses.replace(events()[0], tenant=t) for t in tenants]  # one minute, one hour
+    seen = {table: inserts_seen(store, table) for table in ("fg_usage_minutes", "fg_usage_hours")}
+    ledger = UsageLedger(store)
+    for _ in range(2):
+        ledger.record_many(batch)
+        assert await ledger.flush() == len(batch)
+
+    async def counts(s: AsyncSession) -> list[dict[str, int]]:
+        return [{t: r for t, r in (await s.execute(select(model.tenant, model.requests))).all()}
+                for model in (UsageMinuteRow, UsageHourRow)]
+
+    assert await store.db.run(counts, write=False) == [dict.fromkeys(tenants, 2)] * 2
+    for statements in seen.values():
+        if store.db.is_postgres:  # one executemany a flush
+            assert statements == [(True, 1)] * 2
+        else:
+            assert statements == [(False, size) for size in block_sizes(300)] * 2
     await ledger.close()
