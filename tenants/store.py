@@ -11,6 +11,7 @@ gateway serves while the database is away.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -135,6 +136,10 @@ class TenantStore:
         self._cache: OrderedDict[str, _Checked] = OrderedDict()
         self._changes = 0  # cache entries forgotten so far: a lookup overtaken asks again
         self._revoke_listeners: list[Callable[[str], None]] = []
+        # key id -> its last_used_at write under way: in the background, so a lookup never waits
+        # for the database's write lock (behind a usage flush under load: seconds, and the
+        # gateway's lookup timeout made that a 503; bench/RESULTS.md, issue 28)
+        self._touching: dict[str, asyncio.Future[None]] = {}
 
     @property
     def url(self) -> str:
@@ -145,6 +150,7 @@ class TenantStore:
         await migrate(self.db)
 
     async def close(self) -> None:
+        await self.touched()  # no last_used_at write lost
         self._cache.clear()
         await self.db.dispose()
 
@@ -241,6 +247,8 @@ class TenantStore:
         return await self.db.run(op), plaintext
 
     async def list_keys(self, tenant: str | None = None) -> list[KeyInfo]:
+        await self.touched()
+
         async def op(s: AsyncSession) -> list[KeyInfo]:
             query = select(ApiKeyRow, TenantRow.name).join(TenantRow)
             if tenant is not None:
@@ -356,16 +364,33 @@ class TenantStore:
             return None
         principal, last_used = result
         if last_used is None or time.time() - last_used > _LAST_USED_EVERY_S:
-            await self._touch(principal.key_id)
+            self._touch(principal.key_id)
         return principal
 
-    async def _touch(self, key_id: str) -> None:
+    def _touch(self, key_id: str) -> None:
+        """Record that the key was used, in the background (one write in flight per key); a
+        failed write is logged and the next lookup past _LAST_USED_EVERY_S tries again."""
+        if key_id in self._touching:
+            return
+        used_at = time.time()
+
         async def op(s: AsyncSession) -> None:
             row = await s.get(ApiKeyRow, key_id)
             if row is not None:
-                row.last_used_at = time.time()
+                row.last_used_at = used_at
 
-        await self.db.run(op)
+        def done(write: asyncio.Future[None]) -> None:
+            del self._touching[key_id]
+            if not write.cancelled() and (error := write.exception()) is not None:
+                log.warning("could not record that key %s was used: %s", key_id, error)
+
+        write = self._touching[key_id] = asyncio.ensure_future(self.db.run(op))
+        write.add_done_callback(done)
+
+    async def touched(self) -> None:
+        """Wait for the last_used_at writes under way (what `list_keys` then reads has them)."""
+        while self._touching:
+            await asyncio.wait(list(self._touching.values()))
 
     def _forget(self, matches: Callable[[Principal], bool]) -> None:
         self._changes += 1

@@ -168,6 +168,26 @@ async def test_cached_principal_answers_from_the_cache_only(store: TenantStore) 
     assert store.cached_principal(digest) is None
 
 
+async def test_a_lookup_does_not_wait_for_the_write_lock(store: TenantStore) -> None:
+    """A key's first lookup records that it was used, in the background: while another
+    transaction holds what that write needs (SQLite's write lock; PostgreSQL's row lock on the
+    key), the lookup still answers at once; the write lands once the lock is let go."""
+    await store.create_tenant("acme")
+    info, plaintext = await store.create_key("acme")
+    holder = store.db.engine.execution_options(sqlite_begin="IMMEDIATE")  # SQLite: the lock
+    async with holder.connect() as conn:
+        await conn.execute(text("SELECT id FROM fg_api_keys WHERE id = :id"
+                                + (" FOR UPDATE" if store.db.is_postgres else "")),
+                           {"id": info.id})
+        # the lock is held until this block ends; the lookup must not wait for it (the
+        # write would wait SQLite's 30 s busy timeout, PostgreSQL's lock for ever)
+        principal = await asyncio.wait_for(store.authenticate_key(plaintext), 10)
+        assert principal is not None and principal.key_id == info.id
+        assert (await store.db.run(lambda s: s.get(ApiKeyRow, info.id), write=False)
+                ).last_used_at is None  # the write waits for the lock
+    assert (await store.list_keys("acme"))[0].last_used_at is not None  # then lands
+
+
 async def test_disabled_or_deleted_tenant_is_refused_at_once(store: TenantStore) -> None:
     await store.create_tenant("acme")
     _, plaintext = await store.create_key("acme")
