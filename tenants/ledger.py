@@ -315,6 +315,10 @@ def block_sizes(rows: int) -> list[int]:
                                    if rest >> bit & 1]
 
 
+def _sqlite_qmark(dialect: Dialect) -> bool:
+    return dialect.name == "sqlite" and dialect.paramstyle == "qmark"
+
+
 class InsertBlocks:
     """A one-row INSERT compiled for SQLite (`... VALUES (?, ...)`, an `ON CONFLICT` clause
     after it or not) run as multi-row statements of `block_sizes` rows: one statement step,
@@ -330,7 +334,7 @@ class InsertBlocks:
     def of(cls, compiled: SQLCompiler, dialect: Dialect) -> InsertBlocks | None:
         """Blocks for `compiled`, an INSERT; None unless it is SQLite's, positional, and its
         values need no bind processor (they go to the driver as they are)."""
-        if dialect.name != "sqlite" or dialect.paramstyle != "qmark" or not compiled.positional:
+        if not _sqlite_qmark(dialect) or not compiled.positional:
             return None
         table = cast(Table, cast(Any, compiled.statement).table)
         if any(table.c[name].type.bind_processor(dialect) for name in compiled.positiontup or ()):
@@ -373,8 +377,9 @@ class RowInsert:
         self.sql: str | None = compiled.string if positional else None
         processors = [table.c[name].type.bind_processor(dialect) for name in self.names]
         self.converted = [(i, p) for i, p in enumerate(processors) if p is not None]
-        self.blocks = (InsertBlocks(compiled.string) if positional and dialect.name == "sqlite"
-                       and dialect.paramstyle == "qmark" else None)
+        # the values go through `values` (the processors above): blocks take them as they are
+        self.blocks = (InsertBlocks(compiled.string) if positional and _sqlite_qmark(dialect)
+                       else None)
 
     def values(self, row: Row) -> tuple[Any, ...]:
         values = [row[name] for name in self.names]

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 _CACHE_MAX_ENTRIES = 10_000
 _LAST_USED_EVERY_S = 60.0  # write last_used_at at most this often per key (it costs a write)
+_TOUCH_CLOSE_S = 5.0  # how long `close` waits for last_used_at writes under way
 _TENANT_FIELDS = frozenset(f.name for f in dataclasses.fields(TenantInfo)) - {"id", "name"}
 _LOOKUP_ATTEMPTS = 3  # a lookup overtaken by this many changes in a row is answered uncached
 
@@ -150,7 +151,13 @@ class TenantStore:
         await migrate(self.db)
 
     async def close(self) -> None:
-        await self.touched()  # no last_used_at write lost
+        try:  # no last_used_at write lost, unless the database keeps it waiting
+            async with asyncio.timeout(_TOUCH_CLOSE_S):
+                await self.touched()
+        except TimeoutError:
+            log.warning("closing with %d last-used times not written", len(self._touching))
+            for write in self._touching.values():
+                write.cancel()
         self._cache.clear()
         await self.db.dispose()
 

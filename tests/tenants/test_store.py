@@ -5,6 +5,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+import tenants.store
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect as sa_inspect
@@ -186,6 +188,24 @@ async def test_a_lookup_does_not_wait_for_the_write_lock(store: TenantStore) -> 
         assert (await store.db.run(lambda s: s.get(ApiKeyRow, info.id), write=False)
                 ).last_used_at is None  # the write waits for the lock
     assert (await store.list_keys("acme"))[0].last_used_at is not None  # then lands
+
+
+async def test_close_gives_up_on_a_last_used_write_the_lock_holds(
+        store: TenantStore, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(tenants.store, "_TOUCH_CLOSE_S", 0.2)
+    await store.create_tenant("acme")
+    _, plaintext = await store.create_key("acme")
+    holder = store.db.engine.execution_options(sqlite_begin="IMMEDIATE")
+    async with holder.connect() as conn:
+        await conn.execute(text("SELECT id FROM fg_api_keys"
+                                + (" FOR UPDATE" if store.db.is_postgres else "")))
+        assert await store.authenticate_key(plaintext) is not None  # its write waits
+        await asyncio.wait_for(store.close(), 10)  # gives up after 0.2 s, not the lock's time
+        assert "1 last-used times not written" in caplog.text
+        writes = list(store._touching.values())
+        assert len(writes) == 1 and writes[0].cancelling()  # told to stop
+    await asyncio.wait_for(store.touched(), 10)  # and gone once the lock is let go
 
 
 async def test_disabled_or_deleted_tenant_is_refused_at_once(store: TenantStore) -> None:
