@@ -5,13 +5,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-import tenants.store
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy import select, text
 
+import tenants.store
 from tenants import (
     DuplicateTenantError,
     KeyNotFoundError,
