@@ -52,6 +52,7 @@ log = logging.getLogger("fairgate.gateway")
 _ids = itertools.count()
 _ID_PREFIX = os.urandom(4).hex()
 PREFIX_CHUNK_CHARS = 256  # prefix routing keys a prompt at every multiple of this
+SEED_TIMEOUT_S = 1.0  # a tenant's output history read waits this long, then the default stands
 Event = TypeVar("Event", RequestAdmitted, FirstToken, RequestFinished)
 
 
@@ -265,11 +266,17 @@ class Gateway:
         return cost, max_tokens
 
     async def _seed(self, tenant: str) -> None:
+        """The tenant's output-length estimate from its history in the ledger; the default
+        when the database fails or is slower than SEED_TIMEOUT_S (the read goes on, shielded:
+        cancelling a statement can cost a connection more than letting it end)."""
         value = None
         if self.ledger is not None:
+            read = asyncio.ensure_future(self.ledger.output_tokens_percentile(
+                tenant, self.config.output_estimate_window_s, 90))
+            read.add_done_callback(lambda done: done.cancelled() or done.exception())
             try:
-                value = await self.ledger.output_tokens_percentile(
-                    tenant, self.config.output_estimate_window_s, 90)
+                async with asyncio.timeout(SEED_TIMEOUT_S):
+                    value = await asyncio.shield(read)
             except Exception as exc:  # the estimate falls back to the default; never fail here
                 log.warning("output-length history unavailable: %s", type(exc).__name__)
         self.estimator.seed(tenant, value)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gateway.service
 from gateway.admission import (
     OutputEstimator,
     RateLimited,
@@ -15,6 +18,7 @@ from gateway.admission import (
     estimate_cost,
 )
 from tenants import TenantLimits
+from tests.gateway.helpers import start_gateway
 
 
 class Clock:
@@ -150,3 +154,27 @@ def test_output_estimator_p90() -> None:
     assert est.estimate("a") == 1000
     est.seed("b", 42.4)
     assert est.estimate("b") == 42 and not est.needs_seed("b")
+
+
+async def test_a_slow_output_history_leaves_the_default_estimate(
+        aiohttp_client: Any, db_url: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A tenant's first chat request without max_tokens reads its output history from the
+    ledger; a database that does not answer within SEED_TIMEOUT_S leaves the default estimate
+    and the request goes on (the read ends in the background)."""
+    monkeypatch.setattr(gateway.service, "SEED_TIMEOUT_S", 0.05)
+    h = await start_gateway(aiohttp_client, db_url, gateway={"default_output_tokens": 7})
+    release = asyncio.Event()
+
+    async def stuck(tenant: str, window_s: float, q: float) -> float | None:
+        await release.wait()
+        return 99.0
+
+    monkeypatch.setattr(h.gateway.ledger, "output_tokens_percentile", stuck)
+    chat = {"model": "random:tiny", "messages": [{"role": "user", "content": "hi"}]}
+    resp = await asyncio.wait_for(h.post("acme", chat, "/v1/chat/completions"), 30)
+    assert resp.status == 200, await resp.text()
+    assert "output-length history unavailable: TimeoutError" in caplog.text
+    estimator = h.gateway.estimator  # seeded without the history: only the answer's length
+    assert not estimator.needs_seed("acme") and estimator.estimate("acme") != 99
+    release.set()
