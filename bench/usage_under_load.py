@@ -10,11 +10,12 @@ block of up to 256 rows), and the per-tenant rollups (a row per tenant and minut
 tenant and hour) the same way.
 
 This starts `bench/gateway_cpu.py`'s mock backend and `fairgate serve` in front of it (the
-ledger on SQLite), saturates the gateway with the same closed-loop load (16 keep-alive
-connections of chat requests), and asks `/v1/usage` every `--every` seconds while it lasts.
-`--tenants N` spreads the load over N tenants (each connection takes turns with its share of
-their keys), so each flush has N tenants' rollups to write. `--baseline DIR` runs another
-checkout's gateway in the same rounds, rotated.
+ledger on SQLite), saturates the gateway with a closed-loop load (16 workers of non-streamed
+chat requests, a keep-alive connection per worker and key), and asks `/v1/usage` every
+`--every` seconds while it lasts. `--tenants N` spreads the load over N tenants (each worker
+takes turns with its share of their keys), so each flush has N tenants' rollups to write and
+each key a first lookup; the load's answers that were not 200 are counted by status and error
+code. `--baseline DIR` runs another checkout's gateway in the same rounds, rotated.
 
     .venv/bin/python bench/usage_under_load.py [--requests 40000] [--rounds 2] [--tenants 1]
                                                [--baseline DIR]
