@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from protocol import fastjson
 from protocol.errors import ApiError, bad_request
 from protocol.fairness import WEIGHT_RANGE
 from protocol.priority import PRIORITIES
@@ -89,13 +90,17 @@ def server_root(url: str) -> str:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+def _read_utf8(raw: bytes) -> Any:
+    return json.loads(raw.decode("utf-8"))  # UTF-8 only: json.loads would guess UTF-16 or 32
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object; 400 for empty, non-UTF-8, non-JSON, non-object bodies and for
     strings no tokenizer can encode (lone surrogates, which JSON can spell as \\ud800)."""
     if not raw:
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw.decode("utf-8"))
+        body = fastjson.loads(raw, _read_utf8)
     except UnicodeError:
         raise bad_request("the request body is not valid UTF-8 text", code="invalid_json") from None
     except (ValueError, RecursionError) as exc:

@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from protocol import fastjson
+
 DONE = b"data: [DONE]\n\n"
 MESSAGE = b"message"  # the spec's event type when none (or an empty one) is given
 _BOM = b"\xef\xbb\xbf"
@@ -337,7 +339,7 @@ def read_chunk(data: bytes) -> StreamChunk:
         return PLAIN_TOKEN
     if data.strip() == DONE_DATA:
         return DONE_CHUNK
-    body = json.loads(data)
+    body = fastjson.loads(data)
     if not isinstance(body, dict):
         return NOT_AN_OBJECT
     return StreamChunk(is_token_chunk(body), body)

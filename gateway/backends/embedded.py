@@ -3,7 +3,6 @@ OpenAI bytes here (the engine server's format, protocol.openai)."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -17,6 +16,7 @@ from gateway.backends.base import (
     RecentWork,
     room_from_load,
 )
+from protocol import fastjson
 from protocol.errors import ApiError
 from protocol.openai import OpenAIRequest, prompt_token_ids
 from protocol.sse import DONE
@@ -113,7 +113,7 @@ class EmbeddedBackend:
             parts.append(out.text)
         body = writer.whole("".join(parts), outcome.finish_reason, outcome.prompt_tokens,
                             outcome.completion_tokens)
-        return json.dumps(body, separators=(",", ":")).encode()
+        return fastjson.dumps(body)
 
 
 def _note(outcome: Outcome, out: Any) -> None:

@@ -49,6 +49,7 @@ from gateway.upstream import (
     UpstreamPool,
     UpstreamTimeout,
 )
+from protocol import fastjson
 from protocol.errors import ApiError
 from protocol.openai import OpenAIRequest, prompt_text, prompt_token_ids
 from protocol.sse import PlainTokens, SSEReader
@@ -231,7 +232,7 @@ class RemoteBackend:
     # ---- requests ---------------------------------------------------------------------------
     def _body(self, job: Job, stream: bool) -> bytes:
         body = engine_body(job, self.model_name, stream, self.fairgate, self.prompt_ids(job.req))
-        return json.dumps(body, separators=(",", ":")).encode()
+        return fastjson.dumps(body)
 
     def prompt_ids(self, req: OpenAIRequest) -> list[int] | None:
         """The prompt as the engine's own token ids, rendered once here (admission counted
@@ -352,7 +353,7 @@ class RemoteBackend:
         finally:
             resp.close()
         try:
-            body = json.loads(raw)
+            body = fastjson.loads(raw)
             usage = body.get("usage") or {}
             outcome.prompt_tokens = int(usage.get("prompt_tokens", outcome.prompt_tokens))
             outcome.completion_tokens = int(usage.get("completion_tokens", 0))
@@ -364,7 +365,7 @@ class RemoteBackend:
         if body.get("model") == job.req.model:
             return raw  # the usual answer: passed on as the engine wrote it, not encoded again
         body["model"] = job.req.model
-        return json.dumps(body, separators=(",", ":")).encode()
+        return fastjson.dumps(body)
 
 
 @functools.lru_cache(maxsize=16)

@@ -15,11 +15,11 @@ read are noted with one time: they left together.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 from gateway.backends.base import Job, Outcome
+from protocol import fastjson
 from protocol.errors import ApiError
 from protocol.sse import (
     DONE,
@@ -80,7 +80,7 @@ def pass_event(data: bytes, job: Job, outcome: Outcome) -> bytes:
         if asked or _USAGE_KEY not in data:  # the common case: passed on without a parse
             _note_token(outcome)
             return encode_event(data)
-        chunk = StreamChunk(token=True, body=json.loads(data))  # a usage key to drop
+        chunk = StreamChunk(token=True, body=fastjson.loads(data))  # a usage key to drop
     if chunk.done:
         return DONE
     body = chunk.body
