@@ -27,7 +27,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
-from protocol.measures import SLO, RequestTiming, attainment
+from protocol.measures import SLO, RequestTiming
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -104,6 +104,17 @@ class LoopHistogram(Histogram):
             return
         self._sum.value += amount
         self._buckets[bisect_left(self._upper_bounds, amount)].value += 1  # first bound >= it
+
+    def observe_all(self, amounts: Iterable[float]) -> None:
+        """`observe` of each amount, in one call: a stream's gaps, one per token, were as many
+        calls (about a third of the time it takes)."""
+        total, bounds, buckets = self._sum, self._upper_bounds, self._buckets
+        for amount in amounts:
+            if amount != amount:
+                super().observe(amount)
+                continue
+            total.value += amount
+            buckets[bisect_left(bounds, amount)].value += 1
 
 
 class GatewayMetrics:
@@ -217,36 +228,33 @@ class GatewayMetrics:
             tpot = timing.tpot
             if tpot is not None:
                 self.child("tpot", tenant).observe(tpot)
-            itl = self.child("itl", tenant)
-            for gap in timing.itls:  # one per token: LoopHistogram's observe takes no lock
-                itl.observe(gap)
+            self.child("itl", tenant).observe_all(timing.itls)  # a gap per token
         if slo.ttft_s is not None:
-            self.observe_slo(tenant, "ttft", timing.meets_ttft(slo), slo.target)
+            self.observe_slo(tenant, "ttft", timing.meets_ttft(slo))
         if slo.tpot_s is not None:
-            self.observe_slo(tenant, "tpot", timing.meets_tpot(slo), slo.target)
+            self.observe_slo(tenant, "tpot", timing.meets_tpot(slo))
         if slo.itl_s is not None:
-            self.observe_gaps(tenant, *timing.gaps_within(slo), slo.target)
+            self.observe_gaps(tenant, *timing.gaps_within(slo))
 
-    def observe_slo(self, tenant: str, slo: str, met: bool, target: float) -> None:
+    def observe_slo(self, tenant: str, slo: str, met: bool) -> None:
         """One request checked against its tenant's `slo` target ("ttft" or "tpot")."""
         self.child("slo_checked", tenant, slo, "true" if met else "false").inc()
-        self._attain(tenant, slo, int(met), 1, target)
+        self._attain(tenant, slo, int(met), 1)
 
-    def observe_gaps(self, tenant: str, met: int, gaps: int, target: float) -> None:
+    def observe_gaps(self, tenant: str, met: int, gaps: int) -> None:
         """One request's gaps checked against its tenant's ITL target: `met` of `gaps`."""
         if met:
             self.child("slo_gaps", tenant, "true").inc(met)
         if gaps - met:
             self.child("slo_gaps", tenant, "false").inc(gaps - met)
-        self._attain(tenant, "itl", met, gaps, target)
+        self._attain(tenant, "itl", met, gaps)
 
-    def _attain(self, tenant: str, slo: str, met: int, checked: int, target: float) -> None:
+    def _attain(self, tenant: str, slo: str, met: int, checked: int) -> None:
         counts = self._slo_counts.setdefault((tenant, slo), [0, 0])
         counts[0] += met
         counts[1] += checked
-        fraction = attainment(counts[0], counts[1], target)["fraction"]
-        if fraction is not None:
-            self.child("slo_attainment", tenant, slo).set(fraction)
+        if counts[1]:  # attainment's fraction, without its budget and burn rate per request
+            self.child("slo_attainment", tenant, slo).set(counts[0] / counts[1])
 
 
 class BackendOutliers(Collector):

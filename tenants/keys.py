@@ -7,6 +7,7 @@ cannot be brute-forced offline without the secret as well).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import re
@@ -33,8 +34,17 @@ def hash_key(plaintext: str, secret: str | bytes | None = None) -> str:
     data = plaintext.encode()
     if secret is None:
         return "sha256:" + hashlib.sha256(data).hexdigest()
-    key = secret.encode() if isinstance(secret, str) else secret
-    return "hmac-sha256:" + hmac.new(key, data, hashlib.sha256).hexdigest()
+    mac = _keyed(secret).copy()
+    mac.update(data)
+    return "hmac-sha256:" + mac.hexdigest()
+
+
+@functools.lru_cache(maxsize=4)
+def _keyed(secret: str | bytes) -> hmac.HMAC:
+    """An HMAC-SHA256 keyed with `secret` and fed nothing yet, copied for each key hashed:
+    every request's key is hashed, and keying an HMAC anew took a third more than a copy."""
+    return hmac.new(secret.encode() if isinstance(secret, str) else secret,
+                    digestmod=hashlib.sha256)
 
 
 def hash_scheme(stored_hash: str) -> str:

@@ -21,7 +21,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -292,37 +292,28 @@ class RemoteBackend:
         return BackendFailed(f"engine backend {self.name} failed mid-response: {exc}",
                                   self.retry_after)
 
-    @contextlib.contextmanager
-    def _working(self, job: Job) -> Iterator[None]:
-        cost = job.prompt_tokens + job.max_tokens
-        self._own_tokens += cost
-        try:
-            yield
-        finally:
-            self._own_tokens -= cost
-
-    @contextlib.contextmanager
-    def _judged(self) -> Iterator[None]:
-        """Tell `on_result` how the request ended: failed (a 5xx that is not overload, no
-        connection, a reset, a timeout) or OK (an answer, or a 4xx: the client's mistake).
-        Overload and a client that left (GeneratorExit, cancellation) tell nothing."""
-        try:
-            yield
-        except BackendUnavailable as exc:
-            if isinstance(exc, BackendFailed):
-                self._report(Verdict.FAILED)
-            raise
-        except ApiError as exc:
+    def _judge(self, exc: BaseException | None) -> None:
+        """Tell `on_result` how a request ended (`exc`: what it raised, None for an answer):
+        failed (a 5xx that is not overload, no connection, a reset, a timeout) or OK (an
+        answer, or a 4xx: the client's mistake). Overload and a client that left
+        (GeneratorExit, cancellation) tell nothing. (A try statement in each caller rather than
+        a context manager: this runs on every request, and two generator-based context managers
+        cost it about 3 µs.)"""
+        if exc is None:
+            self._report(Verdict.OK)
+        elif isinstance(exc, BackendFailed):
+            self._report(Verdict.FAILED)
+        elif isinstance(exc, ApiError):
             self._report(Verdict.FAILED if exc.status >= 500 else Verdict.OK)
-            raise
-        self._report(Verdict.OK)
 
     def _report(self, verdict: Verdict) -> None:
         if self.on_result is not None:
             self.on_result(self, verdict)
 
     async def stream(self, job: Job, outcome: Outcome) -> AsyncGenerator[bytes, None]:
-        with self._working(job), self._judged():
+        cost = job.prompt_tokens + job.max_tokens
+        self._own_tokens += cost
+        try:
             resp = await self._post(job, stream=True)
             reader, plain = SSEReader(), PlainTokens()
             streaming = False  # the first token came: from now on only a stall times out
@@ -338,10 +329,27 @@ class RemoteBackend:
                 raise self._broken(exc) from None
             finally:
                 resp.close()  # the upstream connection is shut before aclose() returns
+        except BaseException as exc:
+            self._judge(exc)
+            raise
+        else:
+            self._judge(None)
+        finally:
+            self._own_tokens -= cost
 
     async def complete(self, job: Job, outcome: Outcome) -> bytes:
-        with self._working(job), self._judged():
-            return await self._complete(job, outcome)
+        cost = job.prompt_tokens + job.max_tokens
+        self._own_tokens += cost
+        try:
+            body = await self._complete(job, outcome)
+        except BaseException as exc:
+            self._judge(exc)
+            raise
+        else:
+            self._judge(None)
+            return body
+        finally:
+            self._own_tokens -= cost
 
     async def _complete(self, job: Job, outcome: Outcome) -> bytes:
         resp = await self._post(job, stream=False)
