@@ -262,8 +262,8 @@ class PlainTokens:
                     break
                 if self._misses < _MISSES:
                     self._learn(event, text)
-            if events == 0:  # the events after the first at once, where they repeat it
-                run, count = self._run(data, cut + 2)
+            if events == 0 and cut + 2 < len(data):  # the events after the first at once,
+                run, count = self._run(data, cut + 2)  # where they repeat it
                 cut, events = cut + run, events + count
             end = cut + 2
             events += 1

@@ -52,7 +52,10 @@ def pass_chunk(reader: SSEReader, plain: PlainTokens, data: bytes, job: Job,
             if _USAGE_KEY in head:  # a usage key elsewhere: only a parse can drop it
                 tokens = 0
         if tokens:
-            outcome.chunk_times.extend([time.perf_counter()] * tokens)
+            if tokens == 1:  # an engine's read as it generates: one token
+                outcome.chunk_times.append(time.perf_counter())
+            else:
+                outcome.chunk_times.extend([time.perf_counter()] * tokens)
             if not outcome.usage_reported:
                 outcome.completion_tokens += tokens
             if end == len(data):
