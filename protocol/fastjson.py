@@ -11,6 +11,10 @@ otherwise:
   nesting past 1,024), and those go to `json.loads`, which accepts some of them. orjson reads an
   integer of 19 digits or more as a float where Python keeps it exact, so a body with such a
   run of digits goes to `json.loads` as well.
+- `dumps_plain` is for the objects fairgate builds itself of strings, integers, booleans, None,
+  lists and string-keyed dicts, no floats (a stream's token events, error bodies): for those
+  orjson writes `json.dumps(value, ensure_ascii=False, separators=(",", ":"))`'s very bytes, in
+  a tenth of the time. A float would go in orjson's form (the same value).
 - `dumps` gives compact JSON whose value is `json.dumps`'s. orjson writes UTF-8 where the
   standard library escapes to ASCII, and its own shortest float form (`0.00001`, not `1e-05`):
   the same JSON value either way. It refuses integers past 64 bits and keys that are not
@@ -55,3 +59,13 @@ def dumps(value: Any) -> bytes:
     if b"null" not in out:
         return out
     return json.dumps(value, separators=(",", ":")).encode()
+
+
+def dumps_plain(value: Any) -> bytes:
+    """`json.dumps(value, ensure_ascii=False, separators=(",", ":"))` as UTF-8, for a value of
+    no floats (see the module doc); what orjson refuses (an int past 64 bits, a key not a
+    string, a lone surrogate) goes that way, and raises what it raises."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -35,7 +35,7 @@ from protocol import fastjson
 from protocol.errors import ApiError, bad_request
 from protocol.fairness import WEIGHT_RANGE
 from protocol.priority import PRIORITIES
-from protocol.sse import sse_json
+from protocol.sse import sse_plain
 from protocol.validators import check_bool, check_int, check_number
 
 ENDPOINTS = ("completions", "chat")
@@ -575,7 +575,7 @@ class ResponseWriter:
         chunk: dict[str, Any] = {**self._head, "choices": [choice]}
         if self.include_usage:
             chunk["usage"] = None  # OpenAI: null on every chunk but the last
-        return sse_json(chunk)
+        return sse_plain(chunk)  # strings, integers and nulls: orjson writes json's bytes
 
     def role_chunk(self) -> bytes:
         """The opening event of a chat stream (nothing for completions)."""
@@ -593,7 +593,7 @@ class ResponseWriter:
                             "finish_reason": finish_reason})
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        return sse_json({**self._head, "choices": [],
+        return sse_plain({**self._head, "choices": [],
                          "usage": usage(prompt_tokens, completion_tokens)})
 
     def whole(self, text: str, finish_reason: str | None, prompt_tokens: int,
@@ -611,4 +611,4 @@ class ResponseWriter:
 def error_event(error: ApiError) -> bytes:
     """An error after the stream started: the status line is gone, so it travels as an event
     (the caller ends the stream with `protocol.sse.DONE`)."""
-    return sse_json(error.body())
+    return sse_plain(error.body())

@@ -14,7 +14,8 @@ decodes UTF-8 first; line ends and colons are ASCII, so the fields come out the 
             handle(event.data)
     reader.close()  # always [] (the spec discards an unterminated event)
 
-The writer emits LF line ends only: `encode_event(data)`, `sse_json(obj)` and `DONE`.
+The writer emits LF line ends only: `encode_event(data)`, `sse_json(obj)`, `sse_plain(obj)`
+and `DONE`.
 
 Which event of an OpenAI stream carries a token is decided here too, once (`read_chunk`,
 `is_token_chunk`): the gateway's backends, the load generator and the shadow sender time and
@@ -61,6 +62,12 @@ def sse_json(obj: Any) -> bytes:
     """`obj` as one compact JSON event. json.dumps escapes newlines, so no split is needed."""
     payload = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     return b"data: " + payload + b"\n\n"
+
+
+def sse_plain(obj: Any) -> bytes:
+    """`sse_json(obj)` for an object of no floats (`fastjson.dumps_plain`): the same bytes, in
+    a tenth of the time. An engine's token events and error events are such objects."""
+    return b"data: " + fastjson.dumps_plain(obj) + b"\n\n"
 
 
 class SSEReader:

@@ -113,7 +113,7 @@ class EmbeddedBackend:
             parts.append(out.text)
         body = writer.whole("".join(parts), outcome.finish_reason, outcome.prompt_tokens,
                             outcome.completion_tokens)
-        return fastjson.dumps(body)
+        return fastjson.dumps_plain(body)  # strings, integers and nulls (ResponseWriter's)
 
 
 def _note(outcome: Outcome, out: Any) -> None:

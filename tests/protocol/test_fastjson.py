@@ -117,3 +117,47 @@ def test_request_body_with_a_long_integer_keeps_it_exact() -> None:
     body = parse_json_body(b'{"seed": 123456789012345678901234567890, "n": 1.5}')
     assert body == {"seed": 123456789012345678901234567890, "n": 1.5}
     assert type(body["seed"]) is int
+
+
+_PLAIN_SCALARS = st.one_of(st.none(), st.booleans(), _INTS, _TEXT)
+PLAIN_VALUES = st.recursive(_PLAIN_SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(_TEXT, inner, max_size=4)), max_leaves=20)
+
+
+def standard_plain(value: Any) -> tuple[str, Any]:
+    try:
+        return "bytes", json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    except (UnicodeError, RecursionError) as exc:
+        return "error", type(exc).__name__
+
+
+@settings(max_examples=500)
+@given(PLAIN_VALUES)
+def test_dumps_plain_writes_the_standard_librarys_bytes(value: Any) -> None:
+    """Without floats, byte for byte: control characters, quotes, U+2028, characters past the
+    BMP, lone surrogates (an error either way), integers past 64 bits."""
+    try:
+        fast: tuple[str, Any] = ("bytes", fastjson.dumps_plain(value))
+    except (UnicodeError, RecursionError) as exc:
+        fast = ("error", type(exc).__name__)
+    assert fast == standard_plain(value)
+
+
+@settings(max_examples=300)
+@given(st.text(st.characters(codec="utf-8")), st.sampled_from([None, "stop", "length"]),
+       st.booleans(), st.booleans(), st.integers(0, 2**40), st.text(max_size=20))
+def test_stream_events_are_the_standard_librarys_bytes(text: str, finish: str | None,
+                                                        chat: bool, include_usage: bool,
+                                                        tokens: int, model: str) -> None:
+    """What an engine streams (ResponseWriter) and an error event: the bytes sse_json wrote."""
+    from protocol.errors import bad_request
+    from protocol.openai import ResponseWriter, error_event
+    from protocol.sse import sse_json
+
+    writer = ResponseWriter("req-1", chat, model, include_usage)
+    for event in (writer.chunk(text, finish), writer.role_chunk(),
+                  writer.usage_chunk(tokens, tokens + 1)):
+        if event:
+            assert event == sse_json(json.loads(event[len(b"data: "):]))
+    error = bad_request(text or "x", "messages")
+    assert error_event(error) == sse_json(error.body())
