@@ -106,8 +106,8 @@ class LoopHistogram(Histogram):
         self._buckets[bisect_left(self._upper_bounds, amount)].value += 1  # first bound >= it
 
     def observe_all(self, amounts: Iterable[float]) -> None:
-        """`observe` of each amount, in one call: a stream's gaps, one per token, were as many
-        calls (about a third of the time it takes)."""
+        """`observe` of each amount, in one call: a stream's gaps (one a token) were a call
+        each."""
         total, bounds, buckets = self._sum, self._upper_bounds, self._buckets
         for amount in amounts:
             if amount != amount:

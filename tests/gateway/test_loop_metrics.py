@@ -58,7 +58,9 @@ def _apply(series: dict[str, Any], operation: tuple[str, str, Any]) -> str | Non
     kind, tenant, value = operation
     child = series[kind].labels(tenant)
     try:
-        if kind == "gaps":  # a stream's gaps, on the ITL buckets, as observe_stream has them
+        if kind == "gaps" and isinstance(child, LoopHistogram):  # as observe_stream has them
+            child.observe_all(iter(value))
+        elif kind == "gaps":  # prometheus_client's: one observe a gap
             for gap in value:
                 child.observe(gap)
         else:
