@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 
 import pytest
@@ -88,6 +90,20 @@ def test_key_format_and_hashes() -> None:
     assert hashes_equal(plain, hash_key(key)) and not hashes_equal(plain, keyed)
     assert key not in plain and key not in keyed
     assert not looks_like_key("sk-123") and not looks_like_key("fg-") and not looks_like_key(None)
+
+
+def test_keyed_hashes_are_rfc_2104_hmacs_every_time() -> None:
+    """Stored hashes outlive releases: hash_key keys one HMAC per secret and copies it for each
+    key, so every hash must still be HMAC-SHA256 of the key alone, the hundredth as the first,
+    whichever keys and secrets came between."""
+    keys = [generate_key() for _ in range(3)]
+    for _ in range(100):
+        for secret in ("s3cret", b"s3cret", "other", "\u00e9t\u00e9"):
+            raw = secret.encode() if isinstance(secret, str) else secret
+            for key in keys:
+                expected = hmac.new(raw, key.encode(), hashlib.sha256).hexdigest()
+                assert hash_key(key, secret) == "hmac-sha256:" + expected
+        assert hash_key(keys[0]) == "sha256:" + hashlib.sha256(keys[0].encode()).hexdigest()
 
 
 @pytest.mark.parametrize(
