@@ -55,9 +55,10 @@ def dumps(value: Any) -> bytes:
     try:
         out = orjson.dumps(value)
     except orjson.JSONEncodeError:  # an int past 64 bits, a key not a string, a lone surrogate
-        out = b"null"
-    if b"null" not in out:
-        return out
+        pass
+    else:
+        if b"null" not in out:  # else a NaN may have become null: json.dumps writes it
+            return out
     return json.dumps(value, separators=(",", ":")).encode()
 
 
