@@ -11,7 +11,13 @@ per request. The load generator is this process: its CPU is counted for neither.
 Beside them runs the floor: `bench/bare_proxy.py --client lean`, aiohttp's server and the
 gateway's own upstream client (`gateway.upstream.UpstreamPool`) forwarding bytes and nothing else.
 No proxy built on these two can cost less, so `gateway - floor` is the gateway's own work per
-request (auth, parsing, admission, fair share, metrics, the ledger, the SSE pass-through).
+request (auth, parsing, admission, fair share, metrics, the ledger, the SSE pass-through), and
+`goal x mock - floor` is what the goal leaves it.
+
+And beside them (unless `--token-interval-ms` paces the mock) the minimal server: the mock's
+answers from an asyncio protocol and httptools, nothing else. The mock's cost over it is what
+aiohttp's server takes per request before a handler does anything; the mock, the floor and the
+gateway all pay it.
 
     .venv/bin/python bench/gateway_cpu.py [--requests 4000] [--concurrency 16] [--rounds 3]
                                           [--baseline DIR] [--token-interval-ms MS]
@@ -41,6 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 
@@ -63,6 +70,27 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # ---- the mock backend (its own process: `gateway_cpu.py --mock PORT`) ------------------------
+def mock_answer(body: dict[str, Any]) -> dict[str, Any] | list[bytes]:
+    """The mock's answer to a chat request: the completion, or a stream's events (CHUNKS token
+    events, the usage event when asked for, [DONE])."""
+    prompt = sum(len(m.get("content") or "") for m in body.get("messages", []))
+    usage = {"prompt_tokens": prompt // 4 + 1, "completion_tokens": CHUNKS,
+             "total_tokens": prompt // 4 + 1 + CHUNKS}
+    base = {"id": "chatcmpl-mock", "created": int(time.time()), "model": body["model"]}
+    if not body.get("stream"):
+        return {**base, "object": "chat.completion", "usage": usage,
+                "choices": [{"index": 0, "finish_reason": "length", "message": {
+                    "role": "assistant", "content": " tok" * CHUNKS}}]}
+    chunk = {**base, "object": "chat.completion.chunk"}
+    events = [{**chunk, "choices": [{"index": 0, "delta": {"content": " tok"},
+                                     "finish_reason": "length" if i == CHUNKS - 1 else None}]}
+              for i in range(CHUNKS)]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        events.append({**chunk, "choices": [], "usage": usage})
+    return [b"data: " + json.dumps(event).encode() + b"\n\n" for event in events] + [
+        b"data: [DONE]\n\n"]
+
+
 def serve_mock(port: int, token_interval_s: float = 0.0) -> None:
     from aiohttp import web
 
@@ -72,31 +100,16 @@ def serve_mock(port: int, token_interval_s: float = 0.0) -> None:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        prompt = sum(len(m.get("content") or "") for m in body.get("messages", []))
-        usage = {"prompt_tokens": prompt // 4 + 1, "completion_tokens": CHUNKS,
-                 "total_tokens": prompt // 4 + 1 + CHUNKS}
-        base = {"id": "chatcmpl-mock", "created": int(time.time()), "model": body["model"]}
-        if not body.get("stream"):
-            return web.json_response({
-                **base, "object": "chat.completion", "usage": usage,
-                "choices": [{"index": 0, "finish_reason": "length", "message": {
-                    "role": "assistant", "content": " tok" * CHUNKS}}]})
+        answer = mock_answer(await request.json())
+        if isinstance(answer, dict):
+            return web.json_response(answer)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        chunk = {**base, "object": "chat.completion.chunk"}
-        for i in range(CHUNKS):
-            last = i == CHUNKS - 1
-            event = {**chunk, "choices": [{"index": 0, "delta": {"content": " tok"},
-                                           "finish_reason": "length" if last else None}]}
-            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-            if token_interval_s and not last:  # an engine's pace: one event per read
+        for i, event in enumerate(answer):
+            await resp.write(event)
+            if token_interval_s and i < CHUNKS - 1:  # an engine's pace: one event per read
                 await asyncio.sleep(token_interval_s)
-        if (body.get("stream_options") or {}).get("include_usage"):
-            event = {**chunk, "choices": [], "usage": usage}
-            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
@@ -109,6 +122,56 @@ def serve_mock(port: int, token_interval_s: float = 0.0) -> None:
     app.router.add_get("/readyz", ready)
     install_fast_event_loop()
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# ---- the same answers from a minimal server (`gateway_cpu.py --raw-mock PORT`) -------------------
+def serve_raw_mock(port: int) -> None:
+    """The mock's answers from the least a Python HTTP/1.1 server can be: an asyncio protocol,
+    llhttp (`httptools`) for the request, each answer written as bytes. No routing, no request
+    object, no timeouts, no error handling: what aiohttp's server (the mock's) costs over this
+    is the share of a request any aiohttp server pays before its handler does anything."""
+    import httptools
+
+    from engine.server import install_fast_event_loop
+
+    class Connection(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = cast(asyncio.Transport, transport)
+            self.parser = httptools.HttpRequestParser(self)
+            self.body: list[bytes] = []
+
+        def data_received(self, data: bytes) -> None:
+            self.parser.feed_data(data)
+
+        def on_body(self, body: bytes) -> None:
+            self.body.append(body)
+
+        def on_message_complete(self) -> None:
+            body, self.body = b"".join(self.body), []
+            write = self.transport.write
+            if not body:  # GET /readyz (and anything else without a body)
+                answer = b'{"ready": true}'
+                write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%b" % (len(answer), answer))
+                return
+            events = mock_answer(json.loads(body))
+            if isinstance(events, dict):
+                answer = json.dumps(events).encode()
+                write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%b" % (len(answer), answer))
+                return
+            write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                  b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for event in events:  # one write an event, as the mock's
+                write(b"%x\r\n%b\r\n" % (len(event), event))
+            write(b"0\r\n\r\n")
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Connection, "127.0.0.1", port)
+        await server.serve_forever()
+
+    install_fast_event_loop()
+    asyncio.run(main())
 
 
 # ---- CPU of a process --------------------------------------------------------------------------
@@ -196,10 +259,16 @@ async def run(args: argparse.Namespace, targets: dict[str, tuple[int, str, str |
             print(f"{label:<22} {median(cpu[label]):6.0f} µs CPU per request   "
                   f"{median(rate[label]):6.0f} requests/s   (rounds: "
                   f"{', '.join(f'{us:.0f}' for us in cpu[label])} µs)")
-        ratio = median(cpu[GATEWAY]) / median(cpu[MOCK])
-        print(f"lean proxy / mock: {median(cpu[FLOOR]) / median(cpu[MOCK]):.2f} (the floor)   "
-              f"gateway / lean proxy: {median(cpu[GATEWAY]) / median(cpu[FLOOR]):.2f}   gateway's "
-              f"own work: {median(cpu[GATEWAY]) - median(cpu[FLOOR]):.0f} µs per request")
+        mock, floor, gateway = median(cpu[MOCK]), median(cpu[FLOOR]), median(cpu[GATEWAY])
+        ratio = gateway / mock
+        print(f"lean proxy / mock: {floor / mock:.2f} (the floor)   gateway / lean proxy: "
+              f"{gateway / floor:.2f}   gateway's own work: {gateway - floor:.0f} µs per request")
+        # What the goal leaves the gateway's own work (auth, parsing, admission, fair share,
+        # metrics, the ledger) once a proxy on aiohttp's server and this client is paid for.
+        server = (f"; aiohttp's server (the mock's) over the minimal one: "
+                  f"{mock - median(cpu[RAW]):.0f} µs per request" if RAW in cpu else "")
+        print(f"the goal leaves the gateway's own work {GOALS[stream] * mock - floor:.0f} µs "
+              f"({GOALS[stream]:g} x the mock - the floor){server}")
         if BASELINE in cpu:
             ratios = [a / b for a, b in zip(cpu[GATEWAY], cpu[BASELINE], strict=True)]
             low, high = middle_half(ratios)
@@ -214,6 +283,7 @@ async def run(args: argparse.Namespace, targets: dict[str, tuple[int, str, str |
 
 
 MOCK, FLOOR, GATEWAY = "mock backend", "lean proxy (floor)", "gateway (fairgate serve)"
+RAW = "minimal server"
 BASELINE = "baseline gateway"
 
 
@@ -230,11 +300,15 @@ def main() -> int:
                              "whole answer at once, read by the gateway in about one read; "
                              "1 or more: one event per read, as from an engine generating)")
     parser.add_argument("--mock", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--raw-mock", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not 0 <= args.token_interval_ms < 1000:
         parser.error("--token-interval-ms must be at least 0 and below 1000")
     if args.mock is not None:
         serve_mock(args.mock, args.token_interval_ms / 1000)
+        return 0
+    if args.raw_mock is not None:
+        serve_raw_mock(args.raw_mock)
         return 0
     if args.baseline is not None and not (args.baseline / "fairgate" / "__main__.py").is_file():
         parser.error(f"--baseline {args.baseline}: not a fairgate checkout (no "
@@ -244,12 +318,20 @@ def main() -> int:
     mock = subprocess.Popen([PYTHON, str(Path(__file__).resolve()), "--mock", str(mock_port),
                              "--token-interval-ms", str(args.token_interval_ms)],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    raw_port = free_port()
+    raw_url = f"http://127.0.0.1:{raw_port}"
+    paced = args.token_interval_ms > 0  # the minimal server does not pace: left out then
+    raw = None if paced else subprocess.Popen(
+        [PYTHON, str(Path(__file__).resolve()), "--raw-mock", str(raw_port)], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
     floor_port = free_port()
     floor_url = f"http://127.0.0.1:{floor_port}"
     floor = subprocess.Popen([PYTHON, str(ROOT / "bench" / "bare_proxy.py"), mock_url,
                               str(floor_port), "--client", "lean"], cwd=ROOT)
     try:
         wait_healthy(mock_url, mock)
+        if raw is not None:
+            wait_healthy(raw_url, raw)
         wait_healthy(floor_url, floor)
         backend = {"url": mock_url, "kind": "openai", "max_inflight": 512,
                    "max_model_len": 4096}
@@ -258,7 +340,9 @@ def main() -> int:
                                   "usage_spill_dir": tmp}}
             gw, gw_url, keys = start_gateway(config, Path(tmp))
             targets: dict[str, tuple[int, str, str | None]] = {
-                MOCK: (mock.pid, mock_url, None), FLOOR: (floor.pid, floor_url, None),
+                MOCK: (mock.pid, mock_url, None),
+                **({} if raw is None else {RAW: (raw.pid, raw_url, None)}),
+                FLOOR: (floor.pid, floor_url, None),
                 GATEWAY: (gw.pid, gw_url, keys["demo"])}
             base = None
             try:
@@ -266,7 +350,8 @@ def main() -> int:
                     base, base_url, base_keys = start_gateway(config, Path(tmp),
                                                               tree=args.baseline.resolve())
                     targets[BASELINE] = (base.pid, base_url, base_keys["demo"])
-                print(f"mock backend {mock_url} (bare aiohttp); lean proxy {floor_url} "
+                print(f"mock backend {mock_url} (bare aiohttp); minimal server {raw_url} (the "
+                      f"mock's answers from an asyncio protocol and httptools); lean proxy {floor_url} "
                       f"(bench/bare_proxy.py --client lean: aiohttp's server, the gateway's "
                       f"upstream client, nothing else); gateway {gw_url} (ledger on SQLite, "
                       f"metrics, fair share); load generator: this process; {machine()}")
@@ -281,6 +366,8 @@ def main() -> int:
                     stop(base)
     finally:
         stop(floor)
+        if raw is not None:
+            stop(raw)
         stop(mock)
 
 
