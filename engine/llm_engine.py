@@ -34,6 +34,13 @@ class StepOutput:
     num_batched_tokens: int = 0
     step_time: float = 0.0
 
+    @property
+    def outputs(self) -> dict[str, list[int]]:
+        """request id -> the token ids it got this step: the public contract's spelling
+        (DESIGN.md's `out.outputs`), built from `sampled` only when read. The step itself
+        keeps one token per request and builds no list (issue 28's scheduler work)."""
+        return {request_id: [token] for request_id, token in self.sampled.items()}
+
 
 def _check_weight(weight: object) -> float:
     """`weight` as a float; ValueError unless it is a number within protocol.fairness'
