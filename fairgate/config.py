@@ -15,7 +15,18 @@ from gateway.config import GatewayConfig
 from protocol.yaml_files import load_yaml
 from tenants.db import DEFAULT_DATABASE_URL
 
-SECTIONS = ("engine", "gateway", "database", "tenants", "slo", "shadow", "tuner")
+SECTIONS = ("engine", "gateway", "database")
+# Sections DESIGN.md's first plan put in fairgate.yaml, whose settings live elsewhere: named in
+# the file they were read by nothing, so a user's SLO or shadow target did nothing, silently.
+ELSEWHERE = {
+    "tenants": "tenants live in the database: `fairgate tenants import tenants.yaml` "
+               "(docs/tenants.md)",
+    "slo": "SLO targets are each tenant's: slo_ttft_p99_s, slo_tpot_p99_s and slo_itl_p99_s in "
+           "tenants.yaml, or `fairgate tenants update NAME --slo-ttft-p99 S` (docs/tenants.md)",
+    "shadow": "shadow targets are gateway.shadow (docs/shadow.md)",
+    "tuner": "the tuner's settings are `fairgate tune`'s options, or a tune job's spec "
+             "(docs/tuning.md)",
+}
 
 
 def load_config_file(path: str | Path | None) -> dict[str, Any]:
@@ -33,6 +44,11 @@ def load_config_file(path: str | Path | None) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
+    misplaced = [name for name in ELSEWHERE if name in data]
+    if misplaced:
+        name = misplaced[0]
+        raise ValueError(f"{path}: fairgate.yaml has no section {name!r}: {ELSEWHERE[name]}; "
+                         f"its sections are: {', '.join(SECTIONS)}")
     unknown = sorted(set(map(str, data)) - set(SECTIONS))
     if unknown:
         raise ValueError(f"{path}: unknown section(s) {', '.join(unknown)}; "
