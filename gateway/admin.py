@@ -150,8 +150,19 @@ async def revoke_key(request: web.Request) -> web.Response:
 
 
 async def tenant_usage(request: web.Request) -> web.Response:
+    """A tenant's usage; a deleted tenant's history too (usage names the tenant, it outlives
+    it). 404 for a name that is no tenant and has no usage: a misspelt name is not a tenant
+    that used nothing."""
     request.app[AUTH].check_admin(request)
-    return web.json_response(await _totals(request, path_tenant(request)))
+    name = path_tenant(request)
+    totals = await _totals(request, name)
+    if not totals["requests"]:
+        async with database_calls():
+            known = await request.app[STORE].get_tenant(name) is not None
+        if not known:
+            raise ApiError(404, f"no tenant {name!r} and no usage recorded for it",
+                           code="tenant_not_found", param="name")
+    return web.json_response(totals)
 
 
 async def queues(request: web.Request) -> web.Response:

@@ -221,7 +221,8 @@ ROUTES = (
           {200: json_answer("KeyInfo", "Revoked.")}, (401, 404, 503), "adminKey",
           parameters=({"name": "id", "in": "path", "required": True,
                        "schema": {"type": "string", "pattern": KEY_ID_PATTERN}},)),
-    Route("get", "/admin/usage/{name}", "A tenant's usage.",
+    Route("get", "/admin/usage/{name}", "A tenant's usage (a deleted tenant's too); a 404 for "
+          "a name that is no tenant and has no usage.",
           {200: json_answer("TenantUsage", "Requests and tokens.")}, (400, 401, 404, 503), "adminKey",
           parameters=(TENANT_PARAM, WINDOW_PARAM)),
     Route("get", "/admin/queues", "The fair queue and the backends, now.",

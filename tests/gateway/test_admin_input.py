@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 
 from gateway.app import make_app
 from gateway.config import GatewayConfig
+from gateway.state import STORE
 from protocol.priority import PRIORITIES
 from tenants import TenantLimits
 from tenants.values import INT_COLUMN_MAX
-from tests.gateway.helpers import SIM_ENGINE, ServerThread, start_gateway
+from tests.gateway.helpers import SIM_ENGINE, ServerThread, completion, start_gateway
 from tests.tenants.conftest import (  # noqa: F401 - fixtures: the stored-value tests run on both
     database_url,
     postgres_database,
@@ -119,6 +120,25 @@ async def test_bad_names_are_400_on_every_admin_endpoint(
         assert error["message"].isascii()
     resp = await h.client.post("/admin/tenants/ghost/keys", headers=ADMIN)  # valid but unknown
     assert resp.status == 404 and (await resp.json())["error"]["code"] == "tenant_not_found"
+
+
+async def test_usage_of_a_name_that_is_no_tenant_and_used_nothing_is_404(
+    aiohttp_client: Any, db_url: str
+) -> None:
+    """A misspelt name is not a tenant that used nothing; a tenant that used nothing is, and a
+    deleted tenant's usage outlives it (usage names the tenant)."""
+    h = await start_gateway(aiohttp_client, db_url)
+    resp = await h.client.get("/admin/usage/acmee", headers=ADMIN)
+    error = (await resp.json())["error"]
+    assert resp.status == 404 and error["code"] == "tenant_not_found"
+    assert "'acmee'" in error["message"] and error["param"] == "name"
+    assert (await post_tenant(h, {"name": "idle"}))[0] == 201
+    resp = await h.client.get("/admin/usage/idle", headers=ADMIN)
+    assert resp.status == 200 and (await resp.json())["requests"] == 0
+    assert (await h.post("acme", completion())).status == 200
+    await h.app[STORE].delete_tenant("acme")
+    resp = await h.client.get("/admin/usage/acme", headers=ADMIN)
+    assert resp.status == 200 and (await resp.json())["requests"] == 1
 
 
 async def test_integer_limits_are_bounded_by_their_column(
