@@ -15,7 +15,9 @@ from gateway.config import GatewayConfig
 from protocol.yaml_files import load_yaml
 from tenants.db import DEFAULT_DATABASE_URL
 
-SECTIONS = ("engine", "gateway", "database")
+# `tuner` is what `fairgate tune` writes beside `engine` in best.yaml (the winner as another
+# engine's own flags); a fairgate server started with `-c best.yaml` does not read it.
+SECTIONS = ("engine", "gateway", "database", "tuner")
 # Sections DESIGN.md's first plan put in fairgate.yaml, whose settings live elsewhere: named in
 # the file they were read by nothing, so a user's SLO or shadow target did nothing, silently.
 ELSEWHERE = {
@@ -24,8 +26,6 @@ ELSEWHERE = {
     "slo": "SLO targets are each tenant's: slo_ttft_p99_s, slo_tpot_p99_s and slo_itl_p99_s in "
            "tenants.yaml, or `fairgate tenants update NAME --slo-ttft-p99 S` (docs/tenants.md)",
     "shadow": "shadow targets are gateway.shadow (docs/shadow.md)",
-    "tuner": "the tuner's settings are `fairgate tune`'s options, or a tune job's spec "
-             "(docs/tuning.md)",
 }
 
 

@@ -153,11 +153,12 @@ async def test_unknown_routes_answer_in_openais_json_error_shape(
 
 
 # ---- fairgate.yaml --------------------------------------------------------------------------
-# DESIGN.md names seven sections; the settings of four of them live elsewhere, and the file
-# refuses them with where (fairgate.config.ELSEWHERE): named there, nothing read them.
-READ = ("engine", "gateway", "database")
+# DESIGN.md names seven sections; the settings of three of them live elsewhere, and the file
+# refuses them with where (fairgate.config.ELSEWHERE): named there, nothing read them. `tuner`
+# is best.yaml's (the winner as another engine's flags), which `fairgate engine -c` takes.
+READ = ("engine", "gateway", "database", "tuner")
 WHERE = {"tenants": "fairgate tenants import", "slo": "slo_ttft_p99_s",
-         "shadow": "gateway.shadow", "tuner": "fairgate tune"}
+         "shadow": "gateway.shadow"}
 
 
 def write_config(tmp_path: Path, text: str) -> Path:
@@ -168,7 +169,8 @@ def write_config(tmp_path: Path, text: str) -> Path:
 
 def test_the_sections_fairgate_reads_are_accepted(tmp_path: Path) -> None:
     path = write_config(tmp_path, "engine: {model: 'random:tiny', max_num_seqs: 8}\n"
-                                  "gateway: {port: 9000}\ndatabase: sqlite:///x.db\n")
+                                  "gateway: {port: 9000}\ndatabase: sqlite:///x.db\n"
+                                  "tuner: {engine: vllm, flags: [--max-num-seqs, '8']}\n")
     config = FairgateConfig.load(path)
     assert config.engine.max_num_seqs == 8 and config.gateway.port == 9000
     assert config.database == "sqlite:///x.db"
