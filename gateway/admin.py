@@ -160,7 +160,8 @@ async def tenant_usage(request: web.Request) -> web.Response:
         async with database_calls():
             known = await request.app[STORE].get_tenant(name) is not None
         if not known:
-            raise ApiError(404, f"no tenant {name!r} and no usage recorded for it",
+            within = "" if totals["window_s"] is None else f" in the last {totals['window_s']:g} s"
+            raise ApiError(404, f"no tenant {name!r} and no usage recorded for it{within}",
                            code="tenant_not_found", param="name")
     return web.json_response(totals)
 

@@ -132,6 +132,8 @@ async def test_usage_of_a_name_that_is_no_tenant_and_used_nothing_is_404(
     error = (await resp.json())["error"]
     assert resp.status == 404 and error["code"] == "tenant_not_found"
     assert "'acmee'" in error["message"] and error["param"] == "name"
+    resp = await h.client.get("/admin/usage/acmee?window_s=60", headers=ADMIN)
+    assert resp.status == 404 and "in the last 60 s" in (await resp.json())["error"]["message"]
     assert (await post_tenant(h, {"name": "idle"}))[0] == 201
     resp = await h.client.get("/admin/usage/idle", headers=ADMIN)
     assert resp.status == 200 and (await resp.json())["requests"] == 0
