@@ -405,6 +405,9 @@ class Surface:
     flags: frozenset[str] = frozenset()  # the fields it names by their flag (the command line)
     job: bool = False  # a job body: the job's fields, checked as a job's
     provided: frozenset[str] = frozenset()  # fields its caller fills in after the check
+    # fields its caller takes out before the check (a job's captured_minutes): named among the
+    # fields a mapping may hold when one is unknown, and guessed for a misspelling
+    taken: frozenset[str] = frozenset()
 
     def name(self, field_name: str) -> str:
         return BY_NAME[field_name].flag if field_name in self.flags else field_name
@@ -427,7 +430,8 @@ class Surface:
 CLI = Surface("`fairgate tune`", flags=frozenset(BY_NAME))
 FILE = Surface("a tune spec")
 # a job's gateway is the worker's --gateway; its captured traffic, a trace the gateway writes
-JOB = Surface("a job spec", job=True, provided=frozenset({"gateway", "trace"}))
+JOB = Surface("a job spec", job=True, provided=frozenset({"gateway", "trace"}),
+              taken=frozenset({"captured_minutes"}))
 
 
 # ---- the spec -------------------------------------------------------------------------------
@@ -543,7 +547,7 @@ def _field_values(mapping: Mapping[str, Any], surface: Surface) -> dict[str, Any
     for key, value in mapping.items():
         name = ALIASES.get(key, key)
         if name not in allowed or not isinstance(key, str):
-            raise OptionError(str(key), _unknown(str(key), allowed, surface))
+            raise OptionError(str(key), _unknown(str(key), [*allowed, *surface.taken], surface))
         if name in given:
             raise OptionError(name, f"give {keys[name]} or {key}, not both (one field)")
         given[name], keys[name] = value, key

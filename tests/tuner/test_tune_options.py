@@ -195,6 +195,18 @@ def test_an_unknown_field_is_refused_with_a_guess() -> None:
         TuneOptions.from_mapping({**SIM, "holdout": 1, "robustness": 2})
 
 
+def test_a_job_specs_unknown_field_lists_and_guesses_captured_minutes_too() -> None:
+    """A job takes captured_minutes itself (control/jobs.py) before the table checks the rest:
+    the refusal of an unknown field names it among a job's fields, and guesses it."""
+    with pytest.raises(OptionError, match="did you mean captured_minutes?") as e:
+        TuneOptions.from_mapping({**SIM, "captured_minute": 5}, JOB)
+    listed = str(e.value).rsplit("(a job spec has: ", 1)[1].rstrip(")").split(", ")
+    assert "captured_minutes" in listed and "trials" in listed
+    with pytest.raises(OptionError) as e:
+        TuneOptions.from_mapping({**SIM, "captured_minute": 5})  # a tune spec has none
+    assert "captured_minutes" not in str(e.value)
+
+
 def test_slos_in_any_combination_at_least_one() -> None:
     tenants = {"slo_ttft_p99_s": 0.3, "slo_itl_p99_s": 0.1}
     bare = TuneOptions.from_mapping(SIM)
