@@ -229,7 +229,8 @@ class _Refuse(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
-        parser.exit(2, f"{parser.prog}: error: {refusal(self.option_strings[0], self.why)}\n")
+        named = option_string or self.option_strings[0]  # the flag typed, not its group's first
+        parser.exit(2, f"{parser.prog}: error: {refusal(named, self.why)}\n")
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -155,9 +155,9 @@ def test_a_vllm_flag_fairgate_lacks_is_named_in_one_line(
         main(["engine", "random:tiny", *argv, "--max-num-seqs", "8"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    flag = argv[0].partition("=")[0]
-    named = next(names[0] for names in NOT_FAIRGATES if flag in names)
-    assert err.startswith(f"fairgate engine: error: {named} is a vLLM flag fairgate does not "
+    flag = argv[0].partition("=")[0]  # the flag typed, even one of a group with one reason
+    assert any(flag in names for names in NOT_FAIRGATES)
+    assert err.startswith(f"fairgate engine: error: {flag} is a vLLM flag fairgate does not "
                           "have"), err
     assert err.count("\n") == 1
 
