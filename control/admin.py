@@ -63,7 +63,7 @@ async def put_shadow(request: web.Request) -> web.Response:
 
 
 async def patch_shadow(request: web.Request) -> web.Response:
-    """PATCH /admin/shadow/{name} {sample?, tenants?, max_inflight?, max_queue?}"""
+    """PATCH /admin/shadow/{name} {sample?, tenants?, max_inflight?, max_queue?, timeout_s?}"""
     request.app[AUTH].check_admin(request)
     mirror = _mirror(request)
     body = await read_json(request)

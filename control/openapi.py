@@ -69,7 +69,10 @@ SCHEMAS: dict[str, Schema] = {
     "ShadowChange": {"type": "object", "additionalProperties": False,
                      "properties": _SHADOW_CHANGE},
     "Shadow": object_schema(name=STRING, url=STRING, kind=STRING, sample={"type": "number"},
-                      queued=COUNT, sent=COUNT, dropped=COUNT, failed=COUNT, pairs=COUNT,
+                      tenants={"type": "array", "items": STRING}, max_inflight=COUNT,
+                      max_queue=COUNT, timeout_s={"type": "number"}, queued=COUNT,
+                      inflight=COUNT, outstanding=COUNT, sent=COUNT, dropped=COUNT,
+                      failed=COUNT, pairs=COUNT,
                       model={**nullable(STRING), "description": "The target's model: the "
                              "configured one, else the one it serves (its /v1/models; copies "
                              "of requests for the default alias go under it), null until it "
@@ -85,10 +88,14 @@ SCHEMAS: dict[str, Schema] = {
                     "(ttft, tpot, e2e).",
                     "properties": {"name": STRING, "window_s": {"type": "number"},
                                    "pairs": COUNT, "mirrored_rate_rps": {"type": "number"},
+                                   "sample": {"type": "number"},
                                    "note": STRING, "live": {"type": "object"},
                                    "shadow": {"type": "object"},
                                    "ratio": {"type": "object"},
-                                   "p99_difference": {"type": "object"}}},
+                                   "p99_difference": {"type": "object"},
+                                   "shadow_wait": {"type": "object"},
+                                   "samples": {"type": "object", "description": "With "
+                                               "detail=1: every pair's live and shadow rows"}}},
     "TuneJob": {"type": "object", "required": ["id", "state", "spec", "progress"],
                 "description": "A job: its state, progress (trials done of planned, elapsed, "
                                "estimate left), best trial so far, links to its files, the "
@@ -181,7 +188,8 @@ CONTROL_ROUTES = (
                        "description": "Only copies sent after this time (epoch seconds).",
                        "schema": {"type": "number"}},
                       {"name": "detail", "in": "query", "required": False,
-                       "description": "1: every pair's [ttft, tpot, e2e, tokens, ok].",
+                       "description": "1: every pair's [ttft, tpot, e2e, tokens, ok, "
+                                      "token times].",
                        "schema": {"enum": ["0", "1", "true", "false"]}})),
     Route("get", "/admin/capture", "The captured requests of a time span, as a fairgate trace.",
           {200: {"description": "A fairgate JSONL trace (tuner/traces.py): a header comment, "

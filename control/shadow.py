@@ -225,7 +225,8 @@ class ShadowMirror:
         c = self.config
         return {"name": c.name, "url": c.url, "kind": c.kind, "model": self.model,
                 "sample": c.sample, "tenants": list(c.tenants), "max_inflight": c.max_inflight,
-                "max_queue": c.max_queue, "queued": self.queued, "inflight": self.inflight,
+                "max_queue": c.max_queue, "timeout_s": c.timeout_s, "queued": self.queued,
+                "inflight": self.inflight,
                 "outstanding": self.outstanding, "sent": self.sent,
                 "dropped": self.dropped, "failed": self.failed, "pairs": len(self.pairs),
                 "failures": [f.describe() for f in sorted(self.failures.values(),
@@ -414,7 +415,7 @@ class ShadowSet(RequestObserver):
             mirror.live_done(request_id, timing)
 
     def admitted(self, event: RequestAdmitted) -> None:
-        if self.mirrors:  # targets come and go at run time (PUT /admin/shadow)
+        if self.mirrors:  # targets come and go at run time (POST /admin/shadow)
             self.offer(event.job, event.slo)  # a copy may go to each target (never waited on)
 
     def finished(self, event: RequestFinished) -> None:
