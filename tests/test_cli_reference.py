@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from fairgate.cli import main
+from tests.test_design_contract import printed_help
 from tuner import fake_server
 from tuner.engines import ENGINES
 from tuner.workload import WORKLOADS, Synthetic, get_workload
@@ -58,17 +59,6 @@ HELP_DEFAULT = re.compile(r"\b[Dd]efault:? (\d[\d.,]*)")
 
 
 # ---- what the command prints ----------------------------------------------------------------
-
-
-def printed_help(capsys: pytest.CaptureFixture[str], run: Callable[[list[str]], int],
-                 *words: str) -> str:
-    """What `WORDS --help` prints with `run` as the program's main, in-process; it exits 0."""
-    with pytest.raises(SystemExit) as exited:
-        run([*words, "--help"])
-    assert exited.value.code == 0
-    out, err = capsys.readouterr()
-    assert err == ""
-    return out
 
 
 def help_entries(help_text: str) -> dict[frozenset[str], str]:

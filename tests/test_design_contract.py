@@ -7,6 +7,7 @@ the sections of fairgate.yaml. The engine's Python snippet is tests/engine/test_
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +37,20 @@ POSITIONALS = {("keys", "create"): "tenant", ("keys", "revoke"): "id"}
 TUNE_MODES = ("replay", "shadow", "sim")
 
 
-def help_of(capsys: pytest.CaptureFixture[str], *words: str) -> str:
-    """What `fairgate WORDS --help` prints, run in-process; it exits 0."""
+def printed_help(capsys: pytest.CaptureFixture[str], run: Callable[[list[str]], int],
+                 *words: str) -> str:
+    """What `WORDS --help` prints with `run` as the program's main, in-process; it exits 0."""
     with pytest.raises(SystemExit) as exited:
-        main([*words, "--help"])
+        run([*words, "--help"])
     assert exited.value.code == 0
     out, err = capsys.readouterr()
     assert err == ""
     return out
+
+
+def help_of(capsys: pytest.CaptureFixture[str], *words: str) -> str:
+    """What `fairgate WORDS --help` prints."""
+    return printed_help(capsys, main, *words)
 
 
 def names(text: str) -> set[str]:
