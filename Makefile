@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Where torch comes from: pip's own index by default (this project's machines serve the CPU
+# build there); elsewhere TORCH_INDEX=https://download.pytorch.org/whl/cpu keeps PyPI's CUDA
+# build (gigabytes of nvidia-* wheels) out.
+TORCH_INDEX ?=
 
 .PHONY: run test lint typecheck bench clean
 
@@ -11,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	# torch first, pinned, so nothing pulls a CUDA build
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	# a venv made before transformers was capped may hold Hugging Face's `kernels`, which
 	# shadows fairgate's kernels/ package; nothing fairgate installs needs it

@@ -16,6 +16,7 @@ import importlib
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from fairgate import guard
 
@@ -38,8 +39,17 @@ NESTED: dict[tuple[str, str], tuple[str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with its errors on one line, as every fairgate error is (argparse's
+    own prints the usage first, up to 14 lines). `add_subparsers` builds each subcommand's
+    parser, and theirs, of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; `{self.prog} --help` lists its usage\n")
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fairgate", description="multi-tenant LLM serving")
+    parser = Parser(prog="fairgate", description="multi-tenant LLM serving")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
@@ -73,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if nested is not None:
         name, module_name, help_text, rest = nested
         module = importlib.import_module(module_name)
-        parser = argparse.ArgumentParser(prog=f"fairgate {name}", description=help_text)
+        parser = Parser(prog=f"fairgate {name}", description=help_text)
         module.register(parser)
         args, unknown = parser.parse_known_args(rest)
         args.command = name
