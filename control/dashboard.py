@@ -1,7 +1,8 @@
 """The SLO dashboard (`GET /dashboard`) and the JSON it reads (`/admin/slo/*`, `/admin/engines`).
 
-Behind the admin key: a login form sets an HTTP-only, Secure, SameSite=Strict session cookie
-(held server-side: logging out or a restart ends it), or the key comes as a bearer token. The
+Behind the admin key: a login form sets an HTTP-only, SameSite=Strict session cookie, Secure
+wherever the browser can keep it so (`_secure`; held server-side: logging out or a restart ends
+it), or the key comes as a bearer token. The
 cookie only ever authorises reading (gateway/auth.py), so no page elsewhere can make a
 logged-in browser change anything. Everything the page needs is in the one HTML document
 (styles, script, plots drawn as inline SVG): no CDN, nothing from the internet.

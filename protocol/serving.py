@@ -133,12 +133,12 @@ class _Handler(RequestHandler):
             return super().handle_error(request, status, exc, message)
         if status >= 500:
             self.logger.error("error handling a request from %s: %s", request.remote,
-                              redact(_describe(exc))[:_MAX_LOGGED_LINE])
+                              _loggable(exc))
             error = ApiError(status, "internal server error", code="internal_error")
         else:
             # The client's fault: one line at INFO, the offending input never echoed back.
             self.logger.info("rejected a malformed request from %s: %s", request.remote,
-                             redact(_describe(exc))[:_MAX_LOGGED_LINE])
+                             _loggable(exc))
             error = ApiError(status, _client_message(status, exc), code=_client_code(status))
         response = web.json_response(error.body(), status=status)
         response.force_close()
@@ -147,6 +147,12 @@ class _Handler(RequestHandler):
 
 def _describe(exc: BaseException | None) -> str:
     return "unknown error" if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+def _loggable(exc: BaseException | None) -> str:
+    """`exc` as one log line: redacted, its line breaks (aiohttp's parser errors quote the
+    offending bytes over several lines) made spaces, cut to _MAX_LOGGED_LINE."""
+    return " ".join(redact(_describe(exc)).split())[:_MAX_LOGGED_LINE]
 
 
 def _client_message(status: int, exc: BaseException | None) -> str:
