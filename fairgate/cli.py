@@ -48,7 +48,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; `{self.prog} --help` lists its usage\n")
 
 
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> Parser:
     parser = Parser(prog="fairgate", description="multi-tenant LLM serving")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
