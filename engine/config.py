@@ -104,6 +104,8 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, low=0)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size}")
@@ -255,6 +257,7 @@ def _check_sim_profile(path: object) -> None:
 
 
 KNOBS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _CHOICES = {"policy": POLICIES, "preemption": PREEMPTION_MODES, "executor": EXECUTORS,
             "attention_backend": ATTENTION_BACKENDS, "kv_cache_dtype": KV_CACHE_DTYPES,
             "dtype": DTYPES, "sim_clock": SIM_CLOCKS, "sim_hardware": SIM_HARDWARE}

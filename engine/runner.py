@@ -32,9 +32,19 @@ SCALE_BYTES = 4  # int8 cache: one float32 scale per token and KV head
 
 
 def resolve_device(device: str) -> torch.device:
+    """`device` (auto, cpu, cuda, cuda:N) as torch's; ValueError for a GPU torch cannot see."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {device}: torch sees no CUDA GPU here (a CPU build of "
+                             "torch, or no driver); use device: auto or cpu")
+        if resolved.index is not None and resolved.index >= count:
+            raise ValueError(f"device {device}: torch sees {count} CUDA GPU(s), cuda:0 to "
+                             f"cuda:{count - 1}")
+    return resolved
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
