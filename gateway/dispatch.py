@@ -161,8 +161,8 @@ class Dispatcher:
                 rooms[model] = self.pool.pick(model=model)
             return rooms[model]
 
-        item = self.queue.pop(lambda tq, head: room(head.model) is not None
-                              and (gate is None or gate(tq, head)))
+        item = self.queue.pop(lambda tq, queued: room(queued.model) is not None
+                              and (gate is None or gate(tq, queued)), past_heads=True)
         if item is None and not any(rooms.values()):
             self._held_since = None  # no room for anything queued: nothing is being held
         else:

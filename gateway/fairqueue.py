@@ -86,7 +86,9 @@ NO_REMOTE = RemoteTenant()
 
 
 class QueueFull(Exception):
-    def __init__(self, reason: str, retry_after: float, message: str) -> None:
+    """Over `reason` (queue_requests | queue_tokens); `retry_after` None: it never fits."""
+
+    def __init__(self, reason: str, retry_after: float | None, message: str) -> None:
         super().__init__(message)
         self.reason = reason  # queue_requests | queue_tokens
         self.retry_after = retry_after
@@ -142,6 +144,15 @@ class TenantQueue:
 
 # may this tenant's next request (of the class looked at: the item given) be dispatched now?
 Admit = Callable[[TenantQueue, "QueuedRequest"], bool]
+
+
+def _offered(tq: TenantQueue, queue: deque[QueuedRequest], admit: Admit,
+             past_heads: bool) -> QueuedRequest | None:
+    """The request of `queue` (non-empty) that `tq` offers `admit`: its head, or with
+    `past_heads` its first request `admit` takes; None when it takes none."""
+    if not past_heads:
+        return queue[0] if admit(tq, queue[0]) else None
+    return next((item for item in queue if admit(tq, item)), None)
 
 
 class FairQueue:
@@ -204,9 +215,10 @@ class FairQueue:
                             f"(max_queued_requests={b.max_requests})")
         if b.max_tokens is not None and queued_tokens + item.cost > b.max_tokens:
             if item.cost > b.max_tokens:  # never fits; say so, without a retry that cannot help
-                raise QueueFull("queue_tokens", _MAX_RETRY_S,
-                                f"request's estimated cost ({item.cost} tokens) exceeds "
-                                f"max_queued_tokens ({b.max_tokens})")
+                raise QueueFull("queue_tokens", None,
+                                f"this request's estimated cost ({item.cost} tokens) exceeds "
+                                f"your max_queued_tokens ({b.max_tokens}) by itself; lower "
+                                "max_tokens or shorten the prompt")
             excess = queued_tokens + item.cost - b.max_tokens
             raise QueueFull("queue_tokens", self._retry(tq, now, excess, "tokens"),
                             f"too many queued tokens for tenant {tq.name} "
@@ -254,10 +266,15 @@ class FairQueue:
                                     else self.tenants[last].counter)
 
     # ---- pop ----------------------------------------------------------------------------------
-    def pop(self, admit: Admit | None = None) -> QueuedRequest | None:
+    def pop(self, admit: Admit | None = None, past_heads: bool = False) -> QueuedRequest | None:
         """The next request to dispatch (its tenant's counter charged), or None; with `admit`,
-        only from tenants it accepts (fair only: fcfs serves arrival order or nothing)."""
-        picked = self._pick_fcfs(admit) if self.policy == "fcfs" else self._pick_fair(admit)
+        only from tenants it accepts (fair only: fcfs serves arrival order or nothing).
+        `past_heads`: `admit` judges each request, not only its tenant (a pool of several
+        models: whether the request's model has room), so each tenant offers its first
+        request `admit` takes: one for a model with room never waits behind its own for a
+        full one."""
+        picked = (self._pick_fcfs(admit, past_heads) if self.policy == "fcfs"
+                  else self._pick_fair(admit, past_heads))
         if picked is None:
             return None
         tq, item = picked
@@ -275,27 +292,30 @@ class FairQueue:
             self.on_change()
         return item
 
-    def _pick_fair(self, admit: Admit | None) -> tuple[TenantQueue, QueuedRequest] | None:
+    def _pick_fair(self, admit: Admit | None,
+                   past_heads: bool) -> tuple[TenantQueue, QueuedRequest] | None:
         for cls in CLASSES:
-            best: TenantQueue | None = None
+            best: tuple[float, int, TenantQueue, QueuedRequest] | None = None
             for name in self._active[cls]:
                 tq = self.tenants[name]
-                if not self._can_run(tq) or (admit is not None
-                                             and not admit(tq, tq.queues[cls][0])):
+                if not self._can_run(tq):
                     continue
-                if best is None or ((tq.counter, tq.queues[cls][0].seq)
-                                    < (best.counter, best.queues[cls][0].seq)):
-                    best = tq
+                queue = tq.queues[cls]
+                item = queue[0] if admit is None else _offered(tq, queue, admit, past_heads)
+                if item is not None and (best is None or (tq.counter, item.seq) < best[:2]):
+                    best = (tq.counter, item.seq, tq, item)
             if best is not None:
-                return best, best.queues[cls][0]
+                return best[2], best[3]
         return None
 
-    def _pick_fcfs(self, admit: Admit | None) -> tuple[TenantQueue, QueuedRequest] | None:
-        """Arrival order; with `admit`, the earliest head it accepts (a pool of several models:
-        the earliest request whose model has room)."""
-        heads = ((q[0].seq, tq, q[0]) for tq in self._eligible() for q in tq.queues.values()
-                 if q and (admit is None or admit(tq, q[0])))
-        first = min(heads, key=lambda h: h[0], default=None)
+    def _pick_fcfs(self, admit: Admit | None,
+                   past_heads: bool) -> tuple[TenantQueue, QueuedRequest] | None:
+        """Arrival order; with `admit`, the earliest request it accepts (a pool of several
+        models: the earliest request whose model has room)."""
+        offered = ((tq, q[0] if admit is None else _offered(tq, q, admit, past_heads))
+                   for tq in self._eligible() for q in tq.queues.values() if q)
+        first = min(((item.seq, tq, item) for tq, item in offered if item is not None),
+                    key=lambda h: h[0], default=None)
         return None if first is None else (first[1], first[2])
 
     def _eligible(self) -> Iterator[TenantQueue]:

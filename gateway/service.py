@@ -170,7 +170,8 @@ class Gateway:
         except QueueFull as exc:
             self.limiter.refund(charge)
             self.metrics.child("rejections", tenant.name, exc.reason).inc()
-            raise ApiError(429, str(exc), code=exc.reason, retry_after=exc.retry_after) from None
+            raise ApiError(429, str(exc), code=exc.reason if exc.retry_after is not None
+                           else "request_too_large", retry_after=exc.retry_after) from None
         if self.on_admitted:
             admitted = RequestAdmitted(job, tenant.slo, adm.arrival)
             for handler in self.on_admitted:
@@ -247,13 +248,17 @@ class Gateway:
 
     async def _estimate(self, tenant: TenantInfo, req: OpenAIRequest) -> tuple[
             CostEstimate, int]:
-        """The admission cost and the max_tokens the request runs with."""
-        prompt_tokens = self.pool.primary.count_prompt(req)
+        """The admission cost and the max_tokens the request runs with: the prompt counted by,
+        and held to the context length of, the backends serving its model."""
+        backends = self.pool.held_to(req.model)
+        prompt_tokens = backends[0].count_prompt(req)
         limit = tenant.limits.max_tokens
         if limit is not None and req.max_tokens is not None and req.max_tokens > limit:
             raise bad_request(f"max_tokens ({req.max_tokens}) exceeds this tenant's limit "
                               f"({limit})", "max_tokens", "max_tokens_exceeded")
-        resolved = resolve_max_tokens(req, prompt_tokens, self.pool.max_model_len)
+        max_model_len = (backends[0].max_model_len if len(backends) == 1
+                         else min(b.max_model_len for b in backends))
+        resolved = resolve_max_tokens(req, prompt_tokens, max_model_len)
         if req.max_tokens is not None:
             return CostEstimate(prompt_tokens, req.max_tokens), req.max_tokens
         max_tokens = min(resolved, limit or resolved)  # the default, within the tenant's limit

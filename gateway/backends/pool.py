@@ -262,6 +262,13 @@ class BackendPool:
         ring = sorted(within, key=lambda b: _ring_point(keys[0], b.name))
         return next((b for b in ring if _load(b)[0] <= load_factor * least), ring[0])
 
+    def held_to(self, model: str | None) -> list[Backend]:
+        """The backends whose tokenizer and context length a request for `model` is counted
+        and held by: those that serve it when the pool serves several models, else all."""
+        if model is None or len(self.backends) == 1 or not self.several_models():
+            return self.backends
+        return self.serves(model) or self.backends
+
     def serves(self, model: str) -> list[Backend]:
         """The backends that serve `model` (one that has not said its model yet serves any)."""
         return [b for b in self.backends if _serves(b, model)]

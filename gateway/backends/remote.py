@@ -97,6 +97,7 @@ class RemoteBackend:
         self.tokenizer: Tokenizer | None = (
             engine_tokenizer(config.tokenizer) if config.tokenizer is not None
             else HFTokenizer(tokenizer_file) if tokenizer_file else None)
+        self._count_random_models_exactly((self.model_name,))
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._http = UpstreamPool(config.base_url, headers)
         self._poller: asyncio.Task[None] | None = None
@@ -223,10 +224,14 @@ class RemoteBackend:
         # its other served names, and the model each card is of (`root`, vLLM's field)
         roots = [str(m["root"]) for m in models if isinstance(m, dict) and m.get("root")]
         self.model_aliases = tuple(dict.fromkeys([*ids[1:], *roots]))
-        names = (self.model_name, *self.model_aliases)
+        self._count_random_models_exactly((self.model_name, *self.model_aliases))
+
+    def _count_random_models_exactly(self, names: tuple[str, ...]) -> None:
+        """A `random:*` model's tokenizer is the byte tokenizer: without a tokenizer of its
+        own, a backend serving one counts its prompts with it (exact; they still go as text:
+        encoding bytes costs the engine less than reading and checking a list of ids,
+        bench/RESULTS.md, issue 28), whether its model was configured or discovered."""
         if self.tokenizer is None and any(n.startswith("random:") for n in names):
-            # exact, but its prompts still go as text: encoding bytes costs the engine less
-            # than reading and checking a list of ids (bench/RESULTS.md, issue 28)
             self.tokenizer = ByteTokenizer()
 
     # ---- requests ---------------------------------------------------------------------------

@@ -275,3 +275,18 @@ def test_service_elsewhere_advances_the_counter_here() -> None:
     view = q.shared_view()
     assert view["b"][:3] == [0, 0, 0] and view["a"][:3] == [2, 20, 0]  # b served and done
     assert view["b"][4] == q.tenants["b"].served > 0 and view["a"][4] == 0
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_past_heads_a_tenant_offers_its_first_request_admit_takes(policy: str) -> None:
+    """A pool of several models: a tenant's request for a model with room goes ahead of its
+    own earlier one for a full model; without past_heads only heads are looked at."""
+    q = FairQueue(policy)
+    full, roomy = QueuedRequest("a", 5, 5, model="full"), QueuedRequest("a", 5, 5, model="roomy")
+    q.push(full)
+    q.push(roomy)
+    has_room = lambda tq, queued: queued.model == "roomy"  # noqa: E731
+    assert q.pop(has_room) is None
+    assert q.pop(has_room, past_heads=True) is roomy
+    assert q.depth("a") == (1, 10) and q.pop(has_room, past_heads=True) is None
+    assert q.pop() is full

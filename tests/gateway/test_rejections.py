@@ -130,11 +130,18 @@ async def test_429_queue_full_requests_and_tokens(aiohttp_client: Any, db_url: s
     backend.gate.clear()
     first = asyncio.create_task(h.post("acme", body(max_tokens=4)))
     await wait_for(lambda: backend.inflight == 1)
-    resp = await h.post("acme", body(prompt="x" * 40, max_tokens=70))
+    queued = asyncio.create_task(h.post("acme", body(prompt="x" * 10, max_tokens=50)))
+    await wait_for(lambda: h.gateway.queue.depth("acme")[0] == 1)
+    assert h.gateway.queue.depth("acme")[1] > 50
+    resp = await h.post("acme", body(prompt="x" * 10, max_tokens=50))  # over 100 with it
     await error_of(resp, 429, "queue_tokens")
     assert int(resp.headers["Retry-After"]) >= 1
+    # alone over the bound: it never fits, so no Retry-After that cannot help
+    resp = await h.post("acme", body(prompt="x" * 40, max_tokens=70))
+    err = await error_of(resp, 429, "request_too_large")
+    assert "max_queued_tokens (100)" in err["message"] and "Retry-After" not in resp.headers
     backend.release()
-    assert (await first).status == 200
+    assert [(await t).status for t in (first, queued)] == [200, 200]
 
 
 async def test_queue_timeout_is_an_error_saying_so(aiohttp_client: Any, db_url: str) -> None:
