@@ -186,6 +186,13 @@ class KVCacheManager:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += request.num_cached_tokens
 
+    def forget_admission(self, request: Request) -> None:
+        """Take back `note_admission` for a request put back before it ran."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries -= request.num_tokens
+            self.prefix_cache_hits -= request.num_cached_tokens
+        request.num_cached_tokens = 0
+
     def _new_blocks_needed(self, request: Request, num_new_tokens: int,
                            cached_blocks: list[int] | None) -> int:
         num_cached = len(cached_blocks) if cached_blocks else 0

@@ -195,6 +195,7 @@ class Scheduler:
             far_closed |= not far  # a tenant behind started here: keep this step short
             self.kv.note_admission(request, len(cached))
             partial += is_partial
+            step.admitted[request.request_id] = request.first_scheduled_time
             self._start_running(request)
             step.add(request, num_tokens)
 
@@ -241,6 +242,9 @@ class Scheduler:
 
     # ---- preemption ---------------------------------------------------------------------------
     def _preempt(self, request: Request, step: _StepBuilder) -> None:
+        if request.request_id in step.admitted:
+            self._unadmit(request, step)
+            return
         step.remove(request)
         self._stop_running(request)
         self.num_preemptions += 1
@@ -253,6 +257,19 @@ class Scheduler:
             self.swapped[request.request_id] = request
             return
         self.kv.free(request)  # recompute: cached full blocks stay in the prefix cache
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+
+    def _unadmit(self, request: Request, step: _StepBuilder) -> None:
+        """Put a request admitted earlier in this step back where it waited, as if it had not
+        been (an interactive request behind it in a policy's order took its seat or blocks):
+        it never ran, so it is no preemption, and its first scheduling is still to come."""
+        step.remove(request)
+        self._stop_running(request)
+        request.first_scheduled_time = step.admitted.pop(request.request_id)
+        self.kv.forget_admission(request)
+        self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
@@ -354,6 +371,8 @@ class _StepBuilder:
         self.budget = budget
         self.plan = SchedulerOutput()
         self._index: dict[str, ScheduledRequest] = {}
+        # admitted from waiting in this step: request id -> its first_scheduled_time before
+        self.admitted: dict[str, float | None] = {}
 
     def add(self, request: Request, num_tokens: int) -> None:
         assert 0 < num_tokens <= self.budget

@@ -83,6 +83,29 @@ def test_interactive_request_preempts_batch_work_holding_every_seat() -> None:
     assert engine.get_request("b3").status is RequestStatus.WAITING
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "sjf", "prefix", "priority", "fair"])
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_batch_work_admitted_in_the_step_an_interactive_request_takes_its_seat_never_ran(
+        policy: str, preemption: str) -> None:
+    """Where a policy orders batch work before an interactive request arriving with it, the
+    interactive one takes the seat in the same step: the batch request goes back to waiting
+    as if never admitted (no preemption, no swap, no first scheduling, no prefix lookup)."""
+    engine = make_engine(max_num_seqs=1, policy=policy, preemption=preemption,
+                         enable_prefix_caching=True)
+    engine.add_request("b", [5] * 40, SamplingParams(max_tokens=3), priority="batch")
+    engine.add_request("i", [6] * 40, SamplingParams(max_tokens=3), priority="interactive")
+    kv = engine.scheduler.kv
+    out = engine.step()
+    assert list(out.scheduled) == ["i"] and out.preempted == []
+    assert engine.scheduler.num_preemptions == 0 and kv.prefix_cache_queries == 40
+    batch = engine.get_request("b")
+    assert batch.status is RequestStatus.WAITING and batch.first_scheduled_time is None
+    assert batch.block_ids == [] and batch.num_computed_tokens == 0
+    while "b" not in engine.step().scheduled:
+        pass
+    assert batch.first_scheduled_time is not None and kv.prefix_cache_queries == 80
+
+
 def test_batch_request_does_not_preempt_batch_work() -> None:
     engine = make_engine(max_num_seqs=2, max_num_batched_tokens=64)
     for i in range(2):

@@ -4,7 +4,9 @@ Each scenario drives LLMEngine on the sim executor (virtual clock) through a see
 arrivals, aborts and steps, and records every step: which requests ran, from which position, how
 many tokens, whether they sampled, their block tables, who was preempted, the swap copies and who
 finished why. The digests below were recorded with the scheduler before its issue-28
-optimisations, so a faster scheduler must pick exactly the same work, block for block.
+optimisations, so a faster scheduler must pick exactly the same work, block for block; those
+with batch work admitted and put back in one step were recorded again on 2026-12-07, when that
+stopped being a preemption (Scheduler._unadmit: no swap, no preempted entry).
 
 When a digest changes on purpose (a scheduling rule changed), rerun with
 FAIRGATE_PRINT_SCHEDULE_DIGESTS=1 and paste the printed digests.
@@ -46,19 +48,19 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 DIGESTS = {
-    "fcfs-recompute": "9f9fcaa508e3103ce6befc7b7235265c7b6e5e925653d6a4f3104cef09936b60",
-    "fcfs-swap": "b4580a9f471cc0b7ae3fded98effdba07845e55b0cfdedc1e5d1bff80a3b5e60",
+    "fcfs-recompute": "0d32bf38fb19077662fd89402bf506158ffeae20d31b0824bc5fd7c7b90b5fae",
+    "fcfs-swap": "ba3622eeed8d456c39bad35125d854b652b99bea6a4d2281ff77b02f208c0240",
     "priority-recompute": "ebd3766df8b3bdd97f0ae5936015215245923fe8cbc410cef4131bfce1ef954f",
     "priority-swap": "0d6e5193968c8db34c431dcf293a3eca5026e893a335bc27e306c3cac2d4a056",
-    "sjf-recompute": "fcdc12b84e6b594bfcd45ad46b5975b1a3051ab7f8dfa1b66d7d5fb3cad7de6a",
+    "sjf-recompute": "c631367ab74aca648e734ec4db4b8514552531e41f40c4339ed04c83f8a4e638",
     "sjf-swap": "6c9b32c6d4ec9259d4971d53c65d4be766f2bd259bdcfbb8135c78c7bef072d7",
-    "prefix-recompute": "e469409ab724b49e113f9fba871729325c42e2868ce0acf28c1163aaf2cc0c96",
-    "prefix-swap": "4578e39199056f403bcfbe852609d8ef5b0efa2cd8e061e7e948e492f864f814",
-    "fair-recompute": "95749215ce4b0f4bdb368e330315fc5e9c68463195269e71cfe1197417e786d7",
-    "fair-swap": "1e878f82cf645271f7f71d80a9edb4f03341cbb3768ca77b10eff73128c94183",
-    "fair-weighted-no-prefix-cache": "f464eb469c7f7916ddbae87a1c4ca315b031dc8bafbec93acc1e09d9bfb932bb",
+    "prefix-recompute": "990f11aebcf6df929481346a79638b39ebd72d79a5efb8670990f7f221199fa3",
+    "prefix-swap": "2659098483e91404d3d18a86503228cde36f72d480992d5c7b4d1941e65858c5",
+    "fair-recompute": "832d174ea558f7ca80f63f340eac41332014e96c662d61cb9053e39d25318ab3",
+    "fair-swap": "fc61c04d8c84c43b7e5e04ced1ba21fee8975252e6ff8ea482c88422940153f2",
+    "fair-weighted-no-prefix-cache": "daea1044ca416b458f8d09aef04cb6ff5d7ff2fbb601447859b27601bf583db5",
     "tiny-swap-space-falls-back": "a1d6522c91261a8f871372f9eaa56e925ff3c17000729655ad091765bf4ecee4",
-    "many-decodes": "6d9c2eb82359399d4f6e3bc1e0c07fdd23f09ef21bf1a4b4af6ac86289456584",
+    "many-decodes": "27e9f61bc9208209784f42ee4ac2b21816e36477639c087bb444b16f20e762d0",
 }
 
 
