@@ -5,7 +5,7 @@ for the Triton kernel, PyTorch SDPA over K/V already gathered into contiguous te
 dense lower bound a paged kernel tries to match), and the PyTorch reference (gather + SDPA).
 Prefill: causal attention TFLOP/s for the same three.
 
-    python bench/kernels.py [--dtype bfloat16] [--batch 64] [--context 4096] [--peak-gbps N]
+    python bench/kernels.py [--dtype float16] [--batch 64] [--context 4096] [--peak-gbps N]
 
 On a machine without CUDA it says so and exits 0.
 """
