@@ -241,7 +241,8 @@ async def slo_tenant(request: web.Request) -> web.Response:
 def _problems(load: dict[str, Any], previous: dict[str, Any] | None) -> list[dict[str, str]]:
     kv = float(load.get("kv_usage") or 0.0)
     preemptions = int(load.get("num_preemptions") or 0)
-    earlier = int((previous or {}).get("num_preemptions") or preemptions)
+    # none seen before: nothing to compare with; 0 before is a count like any other
+    earlier = preemptions if previous is None else int(previous.get("num_preemptions") or 0)
     found = []
     if kv > 0.95 and preemptions > earlier:
         found.append("kv_pinned")

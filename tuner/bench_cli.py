@@ -159,8 +159,9 @@ def plan_requests(args: argparse.Namespace) -> list[TraceRequest]:
 
 
 def plan_mix(args: argparse.Namespace) -> MixSpec:
-    """A workload file's tenant mix (its shape under the command line's), or one tenant
-    sending one named workload or trace."""
+    """A workload file's tenant mix (its shape under the command line's), or one named
+    workload or trace, each request as its own tenant (a trace's own: a capture keeps its
+    tenants; "default" for the rest)."""
     if args.workload_file:
         spec = load_workload_file(args.workload_file)
         return dataclasses.replace(spec, shape=_shape(args, spec.shape))
@@ -169,7 +170,7 @@ def plan_mix(args: argparse.Namespace) -> MixSpec:
         if args.trace
         else get_workload(args.workload)
     )
-    return MixSpec((TenantMix("default", workload),), _shape(args, LoadShape()))
+    return MixSpec((TenantMix(None, workload),), _shape(args, LoadShape()))
 
 
 def _limits(args: argparse.Namespace) -> Limits:

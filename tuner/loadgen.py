@@ -299,7 +299,8 @@ class _Sender:
         self._headers: dict[str | None, dict[str, str]] = {}
 
     def body(self, req: TraceRequest, seed: int) -> bytes:
-        prompt = self.text(req.prompt_tokens, seed, req.prefix_hashes, req.block_tokens)
+        prompt = (req.prompt if req.prompt is not None
+                  else self.text(req.prompt_tokens, seed, req.prefix_hashes, req.block_tokens))
         body: dict[str, Any] = {
             "model": self.model,
             "max_tokens": req.output_tokens,

@@ -54,6 +54,7 @@ class TraceRequest:
     prefix_hashes: tuple[int, ...] = ()
     block_tokens: int = BLOCK_TOKENS
     api_key: str | None = None  # per-tenant key; None = the run's default key
+    prompt: str | None = None  # its text, where the trace kept it; None: made-up text
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -69,6 +70,8 @@ class TraceRequest:
         if self.prefix_hashes:
             out["prefix_hashes"] = list(self.prefix_hashes)
             out["block_tokens"] = self.block_tokens
+        if self.prompt is not None:
+            out["prompt"] = self.prompt
         return out
 
 
@@ -173,8 +176,12 @@ def _fairgate(obj: dict[str, Any]) -> TraceRequest:
     req = _record(float(obj["arrival"]), int(obj["prompt_tokens"]), int(obj["output_tokens"]))
     max_tokens = obj.get("max_tokens")
     priority = obj.get("priority")
+    prompt = obj.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise TypeError(f"prompt must be text, got {type(prompt).__name__}")
     return replace(
         req,
+        prompt=prompt,
         tenant=str(obj.get("tenant", "default")),
         priority=None if priority is None else str(priority),
         max_tokens=None if max_tokens is None else int(max_tokens),

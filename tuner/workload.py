@@ -191,6 +191,8 @@ class Limits:
         max_tokens = None if r.max_tokens is None else max(output, r.max_tokens)
         return replace(
             r,
+            # a kept text is sent only at its own length: scaled or capped, made-up text is
+            prompt=r.prompt if prompt == r.prompt_tokens else None,
             prompt_tokens=prompt,
             output_tokens=output,
             block_tokens=block,
@@ -201,7 +203,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class TenantMix:
-    tenant: str
+    tenant: str | None  # None: each request keeps its own (a trace's tenants, "default" else)
     workload: Workload
     api_key: str | None = None
     priority: str | None = None
@@ -368,7 +370,8 @@ def build_mix(spec: MixSpec, limits: Limits | None = None) -> list[TraceRequest]
         tenant_shape = replace(shape, rate=rate, seed=shape.seed + 1009 * i)
         for r in build_requests(t.workload, tenant_shape, limits):
             merged.append(
-                replace(r, tenant=t.tenant, priority=t.priority or r.priority, api_key=t.api_key)
+                replace(r, tenant=r.tenant if t.tenant is None else t.tenant,
+                        priority=t.priority or r.priority, api_key=t.api_key)
             )
     merged.sort(key=lambda r: r.arrival)
     return merged[: shape.num_requests] if shape.num_requests is not None else merged
