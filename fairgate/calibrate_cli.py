@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():  # before minutes of measuring, not after
         raise ValueError(f"--out {out}: directory {out.parent} does not exist")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; name the profile's file (in it, say)")
     started = time.perf_counter()
     profile = calibration.calibrate(
         config, repeats=args.repeats, max_phase_tokens=args.max_phase_tokens,

@@ -24,6 +24,7 @@ from typing import Any
 
 from fairgate.actions import chosen_action
 from gateway.config import ADMIN_KEY_ENV
+from protocol.validators import check_http_url
 from tuner.outcome import knob_text
 from tuner.remote import error_text, request_json
 
@@ -71,7 +72,7 @@ class GatewayError(Exception):
 
 
 def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
-    url = args.gateway.rstrip("/") + path
+    url = check_http_url("--gateway", args.gateway).rstrip("/") + path
     try:
         status, answer = request_json(url, args.admin_key, body, timeout=30.0, method=method)
     except OSError as exc:

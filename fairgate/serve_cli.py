@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     config = FairgateConfig.load(args.config, os.environ)
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port
+    if not 0 <= port < 65536:
+        raise ValueError(f"--port must be in 0..65535 (0: a free one), got {port}")
     app = make_app(config.gateway, engine=config.engine, database=config.database,
                    on_demo_key=print_demo_key)
     app.on_startup.append(freeze_startup_heap)  # after the database and backends started

@@ -120,16 +120,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if action == "import":
         return _import(args)
-    handlers = {"create": _create, "update": _update, "list": _list, "delete": _delete,
-                "export": _export}
     check_name_args(args, "name")
+    if action == "create":
+        # Every value checked before the database is opened (or made): a bad one leaves
+        # neither a half-made tenant nor a new database file.
+        info = apply_changes(TenantInfo(name=args.name), field_changes(args))
+        return run_with_store(args, lambda store: _create(store, args, info))
+    if action == "export":  # written once the database is closed: its errors are the file's
+        text, count = run_with_store(args, _export)
+        if args.output:
+            Path(args.output).write_text(text, encoding="utf-8")
+            print(f"wrote {count} tenants to {args.output}", file=sys.stderr)
+        else:
+            sys.stdout.write(text)
+        return 0
+    handlers = {"update": _update, "list": _list, "delete": _delete}
     return run_with_store(args, lambda store: handlers[action](store, args))
 
 
-async def _create(store: TenantStore, args: argparse.Namespace) -> int:
-    changes = field_changes(args)
-    # Validate everything before writing, so a bad value never leaves a half-made tenant.
-    info = apply_changes(TenantInfo(name=args.name), changes)
+async def _create(store: TenantStore, args: argparse.Namespace, info: TenantInfo) -> int:
     created = await store.create_tenant(info.name, **info.settings())
     print(f"created tenant {created.name}")
     if args.key:
@@ -192,14 +201,8 @@ async def _list(store: TenantStore, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _export(store: TenantStore, args: argparse.Namespace) -> int:
-    text = await export_yaml(store)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-        print(f"wrote {await store.count_tenants()} tenants to {args.output}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
-    return 0
+async def _export(store: TenantStore) -> tuple[str, int]:
+    return await export_yaml(store), await store.count_tenants()
 
 
 def _import(args: argparse.Namespace) -> int:

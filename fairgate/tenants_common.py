@@ -10,13 +10,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from fairgate.config import database_url, load_config_file
-from tenants.db import DEFAULT_DATABASE_URL
+from tenants.db import DEFAULT_DATABASE_URL, unusable
 from tenants.store import TenantStore
-from tenants.values import TenantError, check_tenant_name
+from tenants.values import check_tenant_name
 
 T = TypeVar("T")
 DEFAULT_CONFIG = "fairgate.yaml"
@@ -46,13 +45,6 @@ def _database_url(args: argparse.Namespace) -> str:
     return database_url(load_config_file(path))
 
 
-def _redacted(url: str) -> str:
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return "<database>"
-
-
 def run_with_store(args: argparse.Namespace, fn: Callable[[TenantStore], Awaitable[T]]) -> T:
     """Open the store (migrating it), run `fn`, close; database failures become one line."""
     url = _database_url(args)
@@ -70,8 +62,7 @@ def run_with_store(args: argparse.Namespace, fn: Callable[[TenantStore], Awaitab
     except (SQLAlchemyError, OSError) as exc:
         if isinstance(exc, FileNotFoundError | PermissionError):
             raise
-        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-        raise TenantError(f"database {_redacted(url)}: {detail[0] if detail else type(exc).__name__}") from None
+        raise unusable(url, exc) from None
 
 
 def check_name_args(args: argparse.Namespace, *dests: str) -> None:

@@ -299,9 +299,10 @@ def tenant_slos(url: str) -> dict[str, tuple[float, str]]:
     from sqlalchemy.exc import SQLAlchemyError
 
     from tenants import TenantStore
+    from tenants.db import normalize_url
     from tenants.values import strictest_slos
 
-    parsed = make_url(url)
+    parsed = make_url(normalize_url(url))  # a URL that is none: one line (a TenantError)
     if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").is_file():
         return {}
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy.exc import SQLAlchemyError
 
 from engine.config import EngineConfig
 from gateway import admin, openapi, proxy
@@ -36,6 +37,7 @@ from gateway.state import AUTH, GATEWAY, METRICS, SETTINGS, STORE
 from protocol.errors import ApiError
 from protocol.http import error_middleware
 from tenants import DEFAULT_DATABASE_URL, TenantStore, UsageLedger
+from tenants.db import unusable
 
 log = logging.getLogger("fairgate.gateway")
 SECRET_ENV = "FAIRGATE_KEY_SECRET"  # the same variable the tenants CLI reads
@@ -177,12 +179,16 @@ def _database(on_demo_key: Callable[[str], None] | None) -> Callable[
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         store, ledger = app[STORE], app[GATEWAY].ledger
         assert ledger is not None
-        await store.init()
-        if app[SETTINGS].demo_tenant and await store.count_tenants() == 0:
-            await store.create_tenant(DEMO_TENANT)
-            _, key = await store.create_key(DEMO_TENANT)
-            if on_demo_key is not None:
-                on_demo_key(key)
+        try:
+            await store.init()
+            if app[SETTINGS].demo_tenant and await store.count_tenants() == 0:
+                await store.create_tenant(DEMO_TENANT)
+                _, key = await store.create_key(DEMO_TENANT)
+                if on_demo_key is not None:
+                    on_demo_key(key)
+        except SQLAlchemyError as exc:  # not started: one line for `fairgate serve`
+            await store.close()
+            raise unusable(store.url, exc) from None
         await ledger.start()
         try:
             yield

@@ -14,6 +14,7 @@ import difflib
 import math
 from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -125,3 +126,18 @@ def _bounds(low: float | None, high: float | None, open_low: bool = False,
 def _did_you_mean(value: object, choices: Collection[str]) -> str:
     match = difflib.get_close_matches(value, list(choices), n=1) if isinstance(value, str) else []
     return f"; did you mean {match[0]}?" if match else ""
+
+
+def check_http_url(name: str, url: object) -> str:
+    """An http:// or https:// URL with a host; ValueError naming `name` otherwise."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"{name} must start with http:// or https://, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname, parts.port
+    except ValueError as exc:  # a bracket left open, a port that is no number
+        raise ValueError(f"{name}: {url!r} is not a URL ({exc})") from None
+    if not host:
+        raise ValueError(f"{name}: {url!r} names no host")
+    return url
+

@@ -10,6 +10,7 @@ when another process committed in between, without waiting for the busy timeout)
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import event
@@ -55,6 +56,28 @@ def normalize_url(url: str) -> str:
     return parsed.set(drivername=_ASYNC_DRIVERS[backend]).render_as_string(hide_password=False)
 
 
+def unusable(url: str, exc: BaseException) -> TenantError:
+    """A database error as one line: the URL (its password hidden) and the driver's first
+    line of what went wrong."""
+    try:
+        shown = make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        shown = "<database>"
+    detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return TenantError(f"database {shown}: {detail[0] if detail else type(exc).__name__}")
+
+
+def _check_sqlite_folder(url: str) -> None:
+    """TenantError for a SQLite file whose folder does not exist: SQLite would create the
+    file, not the folder, and fail at the first connection, in the driver's thread."""
+    path = make_url(url).database
+    if path and path != ":memory:" and not path.startswith("file:"):
+        folder = Path(path).parent
+        if not folder.is_dir():
+            raise TenantError(f"database {url}: the folder {folder} does not exist "
+                              f"(SQLite creates the file, not its folder)")
+
+
 def _switch_to_wal(cursor: Any) -> None:
     """`PRAGMA journal_mode = WAL`, which SQLite answers "database is locked" at once (busy
     timeout or not) while another process is switching the same new file or writing to it
@@ -94,6 +117,8 @@ class Database:
     def __init__(self, url: str) -> None:
         self.url = normalize_url(url)
         self.is_sqlite = self.url.startswith("sqlite")
+        if self.is_sqlite:
+            _check_sqlite_folder(self.url)
         self.is_postgres = not self.is_sqlite
         kwargs: dict[str, Any] = {}
         if self.is_sqlite:

@@ -106,6 +106,8 @@ def read_source(text_or_path: str | Path) -> tuple[str, str]:
         and (os.path.exists(text_or_path) or ":" not in text_or_path)
     ):
         path = Path(text_or_path)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory, not a tenants file")
         if not path.is_file():
             raise FileNotFoundError(f"no such file: {path}")
         return path.read_text(encoding="utf-8"), str(path)

@@ -105,6 +105,12 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, out in (("--json", args.json_out), ("--csv", args.csv_out)):
+        # written after the run: a folder that is not there must not lose its report
+        if out and not Path(out).parent.is_dir():
+            raise ValueError(f"{flag} {out}: directory {Path(out).parent} does not exist")
+        if out and Path(out).is_dir():
+            raise ValueError(f"{flag} {out} is a directory; name the file")
     mix = plan_mix(args)
     requests = build_mix(mix, _limits(args))
     if not requests:

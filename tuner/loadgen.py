@@ -25,7 +25,7 @@ import yarl
 
 from protocol.openai import server_root
 from protocol.sse import SSEReader, read_chunk
-from protocol.validators import check_choice, check_positive_int
+from protocol.validators import check_choice, check_http_url, check_number, check_positive_int
 from tuner.report import OK, Report, RequestResult
 from tuner.traces import TraceRequest
 from tuner.workload import (
@@ -58,8 +58,7 @@ class Target:
 
     def __post_init__(self) -> None:
         check_choice("endpoint", self.endpoint, ENDPOINTS)
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"--url must start with http:// or https://, got {self.url!r}")
+        check_http_url("--url", self.url)
 
     @property
     def base(self) -> str:
@@ -80,6 +79,10 @@ class RunOptions:
     def __post_init__(self) -> None:
         if self.max_concurrency is not None:
             check_positive_int("max_concurrency", self.max_concurrency)
+        check_number("request_timeout", self.request_timeout, low=0, open_low=True)
+        for name in ("slo_ttft", "slo_tpot", "slo_itl"):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), low=0, open_low=True)
         check_choice("tokenizer", self.tokenizer, TOKENIZERS)
 
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from engine.config import KNOBS
 from protocol.measures import SLO
-from protocol.validators import check_choice, check_known_keys, check_number
+from protocol.validators import check_choice, check_http_url, check_known_keys, check_number
 from tuner.engines import ENGINES
 from tuner.runners import MODES, RunnerOptions
 from tuner.spec import (
@@ -161,9 +161,17 @@ class Flag(_Plain):
 
 
 def _url(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
-        raise ValueError(f"{name} must start with http:// or https://, got {value!r}")
-    return value
+    return check_http_url(name, value)
+
+
+class Address(Text):
+    """One server's URL, kept as text (the gateway a shadow study runs through)."""
+
+    def check(self, name: str, value: Any) -> str:
+        return _url(name, value)
+
+    def schema(self) -> Schema:
+        return {"type": "string", "pattern": "^https?://"}
 
 
 class Urls:
@@ -295,7 +303,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("launch_timeout_s", ("--launch-timeout",), Number(), "launch: seconds a server has "
            f"to answer /health (default {RunnerOptions.launch_timeout_s:g})", modes=("launch",),
            metavar="S"),
-    Option("gateway", ("--gateway",), Text(), "shadow: the gateway whose shadow target the "
+    Option("gateway", ("--gateway",), Address(), "shadow: the gateway whose shadow target the "
            "trials run on", modes=("shadow",), metavar="URL"),
     Option("shadow", ("--shadow",), Text(), "shadow: the gateway's shadow target (a fairgate "
            "engine: reconfigured per trial)", job=True, modes=("shadow",), metavar="NAME"),

@@ -166,6 +166,10 @@ class LoadShape:
         check_number("start", self.start, low=0)
         if self.window is not None:
             check_number("window", self.window, low=0, open_low=True)
+        if self.duration is not None:
+            check_number("duration", self.duration, low=0, open_low=True)
+        if self.num_requests is not None:
+            check_positive_int("num_requests", self.num_requests)
         if self.duration is None and self.num_requests is None and self.window is None:
             raise ValueError("give a duration, a number of requests or a trace window")
 
@@ -177,6 +181,12 @@ class Limits:
     scale_tokens: float = 1.0
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        check_number("scale_tokens", self.scale_tokens, low=0, open_low=True)
+        for name in ("max_prompt_tokens", "max_output_tokens"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
 
     def apply(self, r: TraceRequest) -> TraceRequest:
         prompt = max(1, round(r.prompt_tokens * self.scale_tokens))
