@@ -221,10 +221,16 @@ async def test_dead_letter_the_database_refuses_too_goes_to_a_file(
 
 # -- a database that is down keeps everything ---------------------------------------------------
 
-def unreachable_url(store: TenantStore, tmp_path: Path) -> str:
-    if store.db.is_sqlite:
-        return f"sqlite+aiosqlite:///{tmp_path / 'no-such-dir' / 'x.db'}"
-    return f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/fairgate"
+def unreachable(store: TenantStore, tmp_path: Path) -> Database:
+    """A database that cannot be reached: PostgreSQL on a closed port; SQLite in a folder
+    that went away after it was opened (a missing one is refused at once)."""
+    if not store.db.is_sqlite:
+        return Database(f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/fairgate")
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    down = Database(f"sqlite+aiosqlite:///{folder / 'x.db'}")
+    folder.rmdir()
+    return down
 
 
 @pytest.mark.usefixtures("raw_rows")
@@ -233,7 +239,7 @@ async def test_database_down_keeps_the_batch_until_it_is_back(store: TenantStore
     ledger = UsageLedger(store, dead_letter_path=tmp_path / "dead.jsonl")
     ledger.record_many(event(prompt_tokens=i) for i in range(5))
     ledger.record(event(model=refused_model(store), prompt_tokens=100))  # not while it is down
-    up, down = store.db, Database(unreachable_url(store, tmp_path))
+    up, down = store.db, unreachable(store, tmp_path)
     store.db = down
     try:
         with pytest.raises((OSError, OperationalError)) as failure:
