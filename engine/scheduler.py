@@ -256,10 +256,7 @@ class Scheduler:
             request.status = RequestStatus.SWAPPED
             self.swapped[request.request_id] = request
             return
-        self.kv.free(request)  # recompute: cached full blocks stay in the prefix cache
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        self.waiting.add(request)
+        self._back_to_waiting(request)  # recompute
 
     def _unadmit(self, request: Request, step: _StepBuilder) -> None:
         """Put a request admitted earlier in this step back where it waited, as if it had not
@@ -269,6 +266,10 @@ class Scheduler:
         self._stop_running(request)
         request.first_scheduled_time = step.admitted.pop(request.request_id)
         self.kv.forget_admission(request)
+        self._back_to_waiting(request)
+
+    def _back_to_waiting(self, request: Request) -> None:
+        """Its blocks freed (cached full blocks stay in the prefix cache), to compute again."""
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING

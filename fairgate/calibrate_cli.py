@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from fairgate.engine_cli import build_config
+from protocol.validators import check_out_file
 from tuner import calibrate as calibration  # no torch until a run: --help stays quick
 
 DEFAULT_OUT = "sim-profile.yaml"
@@ -53,11 +53,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("repeats", "max_phase_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    out = Path(args.out)
-    if not out.parent.is_dir():  # before minutes of measuring, not after
-        raise ValueError(f"--out {out}: directory {out.parent} does not exist")
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a directory; name the profile's file (in it, say)")
+    out = check_out_file("--out", args.out)  # before minutes of measuring, not after
     started = time.perf_counter()
     profile = calibration.calibrate(
         config, repeats=args.repeats, max_phase_tokens=args.max_phase_tokens,

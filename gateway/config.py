@@ -10,7 +10,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 from engine.config import check_header_key, environment_keys
 from gateway.auth import DEFAULT_OUTAGE_GRACE_S
@@ -21,6 +20,7 @@ from protocol.serving import DEFAULT_HEADER_TIMEOUT_S
 from protocol.validators import (
     check_bool,
     check_choice,
+    check_http_url,
     check_int,
     check_number,
     check_positive_int,
@@ -92,12 +92,7 @@ class BackendConfig(_Endpoint):
             check_choice("gateway.backends[].discover", self.discover, ("dns",))
         check_number("gateway.backends[].discover_interval_s", self.discover_interval_s, low=0,
                      open_low=True)
-        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"gateway.backends[].url must start with http:// or https://, "
-                             f"got {self.url!r}")
-        if not _has_host_and_port(self.url):
-            raise ValueError(f"gateway.backends[].url needs a host and a numeric port (if any), "
-                             f"got {self.url!r}")
+        check_http_url("gateway.backends[].url", self.url)
         check_choice("gateway.backends[].kind", self.kind, BACKEND_KINDS)
         check_keys("gateway.backends[]", self)
         check_positive_int("gateway.backends[].max_inflight", self.max_inflight)
@@ -462,14 +457,3 @@ def _backend(value: Any) -> BackendConfig:
     if not isinstance(value, dict):
         raise ValueError(f"gateway.backends entries must be mappings with a url, got {value!r}")
     return from_mapping(BackendConfig, value, "gateway.backends")
-
-
-def _has_host_and_port(url: str) -> bool:
-    """A host, and a port that is a number when one is given."""
-    parts = urlsplit(url)
-    try:
-        parts.port  # noqa: B018 - reading it parses it: ValueError when not a valid number
-    except ValueError:
-        return False
-    return bool(parts.hostname)
-

@@ -169,9 +169,7 @@ class Gateway:
             future = self.dispatcher.submit(item, self._bounds(tenant))
         except QueueFull as exc:
             self.limiter.refund(charge)
-            self.metrics.child("rejections", tenant.name, exc.reason).inc()
-            raise ApiError(429, str(exc), code=exc.reason if exc.retry_after is not None
-                           else "request_too_large", retry_after=exc.retry_after) from None
+            raise self._over_limit(tenant, exc.reason, exc.retry_after, str(exc)) from None
         if self.on_admitted:
             admitted = RequestAdmitted(job, tenant.slo, adm.arrival)
             for handler in self.on_admitted:
@@ -290,9 +288,15 @@ class Gateway:
         try:
             return await self.limiter.charge(tenant.name, tenant.limits, cost.total)
         except RateLimited as exc:
-            self.metrics.child("rejections", tenant.name, exc.reason).inc()
-            raise ApiError(429, str(exc), code=exc.reason if exc.retry_after is not None
-                           else "request_too_large", retry_after=exc.retry_after) from None
+            raise self._over_limit(tenant, exc.reason, exc.retry_after, str(exc)) from None
+
+    def _over_limit(self, tenant: TenantInfo, reason: str, retry_after: float | None,
+                    message: str) -> ApiError:
+        """A limit's 429, counted under `reason`: the limit's code with its Retry-After, or
+        request_too_large without one for a request over it by itself (no retry helps)."""
+        self.metrics.child("rejections", tenant.name, reason).inc()
+        return ApiError(429, message, code=reason if retry_after is not None
+                        else "request_too_large", retry_after=retry_after)
 
     def _bounds(self, tenant: TenantInfo) -> QueueBounds:
         limits = tenant.limits

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -129,15 +130,27 @@ def _did_you_mean(value: object, choices: Collection[str]) -> str:
 
 
 def check_http_url(name: str, url: object) -> str:
-    """An http:// or https:// URL with a host; ValueError naming `name` otherwise."""
+    """An http:// or https:// URL with a host, and a port that is a number when one is given;
+    ValueError naming `name` otherwise."""
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ValueError(f"{name} must start with http:// or https://, got {url!r}")
     try:
         parts = urlsplit(url)
-        host, _ = parts.hostname, parts.port
-    except ValueError as exc:  # a bracket left open, a port that is no number
-        raise ValueError(f"{name}: {url!r} is not a URL ({exc})") from None
+        host, _ = parts.hostname, parts.port  # reading the port parses it
+    except ValueError:  # a bracket left open, a port that is no number
+        host = None
     if not host:
-        raise ValueError(f"{name}: {url!r} names no host")
+        raise ValueError(f"{name} needs a host and a numeric port (if any), got {url!r}")
     return url
+
+
+def check_out_file(flag: str, path: str | Path) -> Path:
+    """A file to write once long work is done, checked before it starts (so the work is not
+    lost to a bad path): its folder exists and it is not itself a folder."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {path}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; name the file")
+    return path
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from protocol.validators import check_out_file
 from tuner.loadgen import ENDPOINTS, BenchError, Progress, RunOptions, Target, run_workload
 from tuner.report import Report
 from tuner.traces import TRACE_FORMATS, TraceRequest, write_fairgate_trace
@@ -106,11 +107,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     for flag, out in (("--json", args.json_out), ("--csv", args.csv_out)):
-        # written after the run: a folder that is not there must not lose its report
-        if out and not Path(out).parent.is_dir():
-            raise ValueError(f"{flag} {out}: directory {Path(out).parent} does not exist")
-        if out and Path(out).is_dir():
-            raise ValueError(f"{flag} {out} is a directory; name the file")
+        if out:
+            check_out_file(flag, out)
     mix = plan_mix(args)
     requests = build_mix(mix, _limits(args))
     if not requests:

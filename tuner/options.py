@@ -160,15 +160,11 @@ class Flag(_Plain):
         return {"type": "boolean"}
 
 
-def _url(name: str, value: Any) -> str:
-    return check_http_url(name, value)
-
-
 class Address(Text):
     """One server's URL, kept as text (the gateway a shadow study runs through)."""
 
     def check(self, name: str, value: Any) -> str:
-        return _url(name, value)
+        return check_http_url(name, value)
 
     def schema(self) -> Schema:
         return {"type": "string", "pattern": "^https?://"}
@@ -181,7 +177,7 @@ class Urls:
         values = [value] if isinstance(value, str) else value
         if not isinstance(values, list | tuple) or not values:
             raise ValueError(f"{name} must be a URL or a list of URLs, got {value!r}")
-        return tuple(_url(name, v) for v in values)
+        return tuple(check_http_url(name, v) for v in values)
 
     def dump(self, value: tuple[str, ...]) -> Any:
         return list(value)
@@ -195,7 +191,7 @@ class Url:
     """One engine's URL (a job tunes one engine)."""
 
     def check(self, name: str, value: Any) -> tuple[str, ...]:
-        return (_url(name, value),)
+        return (check_http_url(name, value),)
 
     def dump(self, value: tuple[str, ...]) -> Any:
         return value[0]

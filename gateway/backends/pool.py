@@ -200,10 +200,6 @@ class BackendPool:
                 return True
         return False
 
-    @property
-    def max_model_len(self) -> int:
-        return min(b.max_model_len for b in self.backends)
-
     def several_models(self) -> bool:
         """Whether the backends serve more than one model (dispatch then goes by model)."""
         return len(self.backends) > 1 and len(self.model_names()) > 1
